@@ -62,9 +62,11 @@ STDLIB_CODE_MODULES = ("json.decoder", "textwrap", "fnmatch", "heapq", "bisect")
 
 
 def stdlib_source(module_name: str) -> str:
-    """Source text of a pure-Python standard library module."""
-    module = importlib.import_module(module_name)
-    return inspect.getsource(module)
+    """Source of a pure-Python standard library module from its first top-level def or class, so a
+    code prompt is code rather than a licence header."""
+    source = inspect.getsource(importlib.import_module(module_name))
+    first = re.search(r"^(def|class) ", source, flags=re.M)
+    return source[first.start():] if first else source
 
 
 def sentence_starts(text: str) -> list[int]:

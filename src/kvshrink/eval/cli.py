@@ -1,0 +1,138 @@
+"""``kvshrink eval`` and ``kvshrink report``; the main CLI calls ``register(subparsers)``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .suites import SUITES
+from .tasks import TASKS
+
+EPILOG = """\
+A method spec is name[:key=value,...], e.g. "shard:stream_bits=4". `full` is always run as the
+reference. Rerunning the same command skips the rows already in --out (Ctrl-C keeps finished rows).
+examples:
+  kvshrink eval --suite quick --methods full,streaming --out results/quick
+  kvshrink eval niah --methods full,streaming:window=256 --lengths 1024,4096 --depths 0,50,100 --out results/niah
+  kvshrink report results/quick
+"""
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def split_specs(text: str) -> list[str]:
+    """Split "full,shard:a=1,b=2,streaming" into specs: a part with '=' but no ':' is an option of
+    the spec before it."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part.split("=", 1)[0]:
+            if not specs:
+                raise ValueError(f"option {part!r} comes before any method in {text!r}")
+            specs[-1] += ("," if ":" in specs[-1] else ":") + part
+        else:
+            specs.append(part)
+    if not specs:
+        raise ValueError("no method given; use e.g. --methods full,streaming")
+    return specs
+
+
+def register(subparsers) -> None:
+    ev = subparsers.add_parser("eval", help="evaluate cache methods (NIAH, RULER, perplexity, agreement, cost)",
+                               description="Evaluate KV cache methods against the full cache.", epilog=EPILOG,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("task", nargs="?", default=None,
+                    help=f"run one task (or a comma list) of the suite: {', '.join(TASKS)}; default all")
+    ev.add_argument("--suite", default="standard", help=f"one of {', '.join(SUITES)} (default standard)")
+    ev.add_argument("--methods", required=True, help='comma-separated method specs, e.g. "full,streaming:window=256"')
+    ev.add_argument("--lengths", type=_int_list, help="context lengths in tokens (all tasks but agreement)")
+    ev.add_argument("--depths", type=_float_list, help="NIAH needle depths in percent, e.g. 0,25,50,75,100")
+    ev.add_argument("--samples", type=int, help="samples per task setting")
+    ev.add_argument("--limit", type=int, help="at most this many prompts per task")
+    ev.add_argument("--repeats", type=int, help="cost: repeats per method (medians are reported)")
+    ev.add_argument("--agreement-tokens", type=int, help="agreement: greedy tokens decoded")
+    ev.add_argument("--max-new-tokens", type=int, help="NIAH/RULER answer budget (default per task)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--threads", type=int, help="torch CPU threads")
+    ev.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
+    ev.add_argument("--out", required=True, help="results folder (created; reruns resume it)")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ev.set_defaults(func=run_eval)
+
+    rep = subparsers.add_parser("report", help="print the summary of a results folder and redraw its plots")
+    rep.add_argument("out", help="results folder written by kvshrink eval")
+    rep.set_defaults(func=run_report)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from .report import write_report
+    from .results import write_config
+    from .runner import RunOptions, Runner
+    from .suites import resolve_suite
+
+    tasks = [t.strip() for t in args.task.split(",")] if args.task else None
+    suite = resolve_suite(args.suite, tasks, args.lengths, args.depths, args.samples,
+                          args.agreement_tokens, args.repeats)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    options = RunOptions(seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
+                         threads=args.threads, model_ref=args.model, progress=not args.no_progress)
+    runner = Runner(args.out, split_specs(args.methods), suite, options)
+    write_config(args.out, {"argv": ["kvshrink"] + sys.argv[1:], "specs": runner.specs,
+                            "suite": _suite_dict(suite), "options": vars(options)})
+    t0 = time.perf_counter()
+    interrupted = False
+    try:
+        written = runner.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        written = None
+    elapsed = time.perf_counter() - t0
+    try:
+        print(write_report(args.out))
+    except ValueError:
+        pass  # interrupted before the first row
+    if interrupted:
+        print(f"interrupted after {elapsed:.0f} s; finished rows are kept in {args.out}: "
+              "rerun the same command to continue", file=sys.stderr)
+        return 130
+    print(f"{written} new rows in {elapsed:.0f} s; results in {args.out}", file=sys.stderr)
+    return 0
+
+
+def _suite_dict(suite) -> dict:
+    from dataclasses import asdict
+
+    return {"name": suite.name, "ppl_tokens": suite.ppl_tokens,
+            "tasks": {k: asdict(v) for k, v in suite.tasks.items()}}
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    print(write_report(args.out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvshrink.eval``: the same subcommands without the main CLI."""
+    parser = argparse.ArgumentParser(prog="kvshrink")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        parser.exit(2, f"kvshrink: error: {err}\n")
