@@ -29,9 +29,9 @@ SUITES: dict[str, Suite] = {
         "niah": TaskPlan((512, 1024), depths=(0, 50, 100)),
         "ruler": TaskPlan((512,), subtasks=RULER_SUBTASKS),
         "ppl": TaskPlan((1024,)),
-        "agreement": TaskPlan((256,), subtasks=AGREEMENT_DOMAINS, new_tokens=32),
-        "cost": TaskPlan((512, 1024), new_tokens=16, repeats=1),
-    }, ppl_tokens=64),
+        "agreement": TaskPlan((256,), subtasks=AGREEMENT_DOMAINS, new_tokens=24),
+        "cost": TaskPlan((512, 1024), new_tokens=8, repeats=1),
+    }, ppl_tokens=32),
     # README figures. 8000 rather than 8192 so the answer still fits the model's 8192 positions.
     "standard": Suite("standard", {
         "niah": TaskPlan((2048, 4096, 8000), depths=(0, 25, 50, 75, 100)),
