@@ -181,6 +181,11 @@ def test_pca_code_error_matches_model():
     assert code.rank == 12
     err = (code.decode() - x).pow(2).sum(-1).mean().item()
     assert err == pytest.approx(float(fit.variances[12:].sum()), rel=0.2)
+    # randomized SVD (niter=24) finds the same subspace as the exact fit
+    low = fit_pca(x, r, method="lowrank")
+    torch.testing.assert_close(low.variances, fit.variances, rtol=1e-3, atol=1e-3)
+    overlap = (low.basis.T @ fit.basis).pow(2).sum() / r
+    assert overlap > 0.999
     # block decoding equals slicing the full decode
     torch.testing.assert_close(code.decode(100, 200), code.decode()[100:200])
 
