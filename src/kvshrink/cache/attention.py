@@ -106,7 +106,7 @@ def exact_partial(
         qb = qg.reshape(b, hkv, g, q, d)[:, :, :, start:stop].reshape(b, hkv, g * (stop - start), d)
         scores = torch.matmul(qb, k.transpose(-1, -2)) * scaling  # [B, Hkv, G*qb, n]
         if mask is not None:
-            mb = mask[:, :, start:stop] if mask.shape[2] > 1 else mask
+            mb = mask[:, :, start:stop] if mask.shape[2] > 1 else mask.expand(-1, -1, stop - start, -1)
             mb = mb.unsqueeze(2).expand(mb.shape[0], 1, g, mb.shape[2], n).reshape(mb.shape[0], 1, -1, n)
             scores = scores.masked_fill(~mb, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
