@@ -1,0 +1,15 @@
+"""kvshrink: shrink the KV cache of transformers language models.
+
+    model, tokenizer = kvshrink.load_model()
+    cache = kvshrink.make_cache("shard", model)
+    model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    cache.compression_ratio()
+"""
+
+from kvshrink.cache import CacheReuseError, KVShrinkCache, make_cache, methods, parse_method_spec
+from kvshrink.models import describe_model, load_model
+
+__version__ = "0.1.0"
+
+__all__ = ["CacheReuseError", "KVShrinkCache", "describe_model", "load_model", "make_cache", "methods",
+           "parse_method_spec", "__version__"]

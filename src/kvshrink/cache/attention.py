@@ -1,0 +1,153 @@
+"""Attention kernels shared by every method, and the "kvshrink" attention function transformers calls.
+
+Every layer answers a query with one or more *partials*: the softmax attention over a subset of the
+tokens together with the log-sum-exp of its scores. Partials over disjoint token sets merge exactly
+(the flash-attention identity), so a compressed store can answer each of its segments separately.
+
+Queries stay grouped per KV head (GQA) so keys are never repeated to query heads: query heads
+``j*G .. j*G+G-1`` share KV head ``j``, as in transformers' ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Score elements computed at once per block (bounds the memory of prefill-with-past attention).
+_BLOCK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class Partial:
+    """Softmax attention over one disjoint set of tokens.
+
+    ``out`` is ``[B, H_q, q, d]`` (float32), normalised over this part's tokens only; ``lse`` is
+    ``[B, H_q, q]``, the log-sum-exp of the part's scaled scores (``-inf`` where no token is visible).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[B, H_q, q, d]`` -> ``[B, H_kv, G*q, d]`` (the G query heads of a KV head stacked)."""
+    b, hq, q, d = query.shape
+    if hq % num_kv_heads:
+        raise ValueError(f"{hq} query heads are not a multiple of {num_kv_heads} KV heads")
+    return query.reshape(b, num_kv_heads, (hq // num_kv_heads) * q, d)
+
+
+def ungroup(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """Inverse of :func:`group_queries` for outputs ``[B, H_kv, G*q, ...]`` -> ``[B, H_q, q, ...]``."""
+    b, hkv, gq = x.shape[:3]
+    q = gq * hkv // num_q_heads
+    return x.reshape(b, num_q_heads, q, *x.shape[3:])
+
+
+def visibility_mask(
+    key_index: torch.Tensor | None,
+    n_keys: int,
+    query_index: torch.Tensor | None,
+    pad_len: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Boolean ``[B or 1, 1, q or 1, n]`` mask of visible keys, or None when everything is visible.
+
+    A key is visible when it is not left padding (``index >= pad_len[b]``) and, if ``query_index`` is
+    given, not in the future (``index <= query_index``). A query always sees its own token, so padded
+    query rows never end up with an empty softmax (their outputs are discarded anyway).
+    """
+    if pad_len is None and query_index is None:
+        return None
+    if key_index is None:
+        key_index = torch.arange(n_keys, device=device)
+    kidx = key_index if key_index.dim() == 2 else key_index.unsqueeze(0)  # [B|1, n]
+    kidx = kidx[:, None, None, :]
+    mask = None
+    if pad_len is not None:
+        mask = kidx >= pad_len.to(device)[:, None, None, None]
+    if query_index is not None:
+        qidx = query_index.reshape(1, 1, -1, 1)
+        causal = kidx <= qidx
+        mask = causal if mask is None else mask & causal
+        mask = mask | (kidx == qidx)
+    return mask
+
+
+def exact_partial(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    key_index: torch.Tensor | None = None,
+    query_index: torch.Tensor | None = None,
+    pad_len: torch.Tensor | None = None,
+    return_probs: bool = False,
+) -> Partial | tuple[Partial, torch.Tensor]:
+    """Exact attention of ``query [B, H_q, q, d]`` over ``key/value [B, H_kv, n, d]``.
+
+    ``key_index`` (``[n]`` or ``[B, n]``) and ``query_index`` (``[q]``) are token indices used for
+    padding and causality (see :func:`visibility_mask`). With ``return_probs`` the attention
+    probabilities ``[B, H_q, q, n]`` (normalised within this part) are returned too.
+    """
+    b, hq, q, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    mask = visibility_mask(key_index, n, query_index, pad_len, query.device)
+    qg = group_queries(query.float(), hkv)  # [B, Hkv, G*q, d]
+    k = key.float()
+    v = value.float()
+    g = hq // hkv
+    rows = max(1, _BLOCK_ELEMENTS // max(1, b * hkv * g * n))
+    outs, lses, probs = [], [], []
+    for start in range(0, q, rows):
+        stop = min(q, start + rows)
+        qb = qg.reshape(b, hkv, g, q, d)[:, :, :, start:stop].reshape(b, hkv, g * (stop - start), d)
+        scores = torch.matmul(qb, k.transpose(-1, -2)) * scaling  # [B, Hkv, G*qb, n]
+        if mask is not None:
+            mb = mask[:, :, start:stop] if mask.shape[2] > 1 else mask
+            mb = mb.unsqueeze(2).expand(mb.shape[0], 1, g, mb.shape[2], n).reshape(mb.shape[0], 1, -1, n)
+            scores = scores.masked_fill(~mb, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0))
+        outs.append(torch.matmul(p, v).reshape(b, hkv, g, stop - start, d))
+        lses.append(lse.reshape(b, hkv, g, stop - start))
+        if return_probs:
+            probs.append(p.reshape(b, hkv, g, stop - start, n))
+    out = torch.cat(outs, dim=3).reshape(b, hq, q, d)
+    lse = torch.cat(lses, dim=3).reshape(b, hq, q)
+    part = Partial(out, lse)
+    if return_probs:
+        return part, torch.cat(probs, dim=3).reshape(b, hq, q, n)
+    return part
+
+
+def merge_partials(parts: list[Partial]) -> Partial:
+    """Combine partials over disjoint token sets into the softmax over their union."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([p.lse for p in parts])  # [P, B, Hq, q]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total.masked_fill(torch.isinf(total), 0.0)).unsqueeze(-1)
+    out = sum(w * p.out for w, p in zip(weights, parts))
+    return Partial(out, total)
+
+
+def causal_chunk_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    pad_len: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal attention of a chunk over itself only (no past), through SDPA: ``[B, H_q, q, d]``.
+
+    This is the prefill fast path: nothing to merge, so the log-sum-exp is not needed.
+    """
+    q = query.shape[2]
+    if pad_len is None or not bool((pad_len > 0).any()):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    idx = torch.arange(q, device=query.device)
+    mask = visibility_mask(idx, q, idx, pad_len, query.device)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)

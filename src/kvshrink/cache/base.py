@@ -1,0 +1,393 @@
+"""The cache framework: a transformers ``Cache`` holding one ``CacheLayer`` per decoder layer.
+
+A step (one forward of the model) goes: ``cache.update`` stages the new keys/values in the layer and
+returns a ``LayerHandle``; the registered "kvshrink" attention function calls ``layer.attend``, which
+merges the layer's answer over its stored tokens (``past_partials``) with exact causal attention over
+the new tokens, then lets the layer absorb the new tokens (``commit``). See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvshrink.cache.attention import Partial, causal_chunk_attention, exact_partial, merge_partials
+from kvshrink.cache.store import fp16_kv_bytes, held_bytes
+
+
+class CacheReuseError(RuntimeError):
+    """A cache that already decoded was handed a new prompt."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a method needs to know about the model it compresses."""
+
+    model_type: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    dtype: torch.dtype
+    rotary: Any = field(repr=False, compare=False, default=None)  # the model's rotary embedding module
+
+    @property
+    def groups(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    layer_idx: int
+    model: ModelInfo
+
+
+class StepContext:
+    """What every layer needs to know about the current forward step.
+
+    Token *index* is the order in which the cache saw a token (padding included). RoPE *position* is
+    ``index - offset[b]`` for row ``b`` (``offset`` = left padding under ``generate``).
+    """
+
+    def __init__(self, past_len: int, q_len: int, scaling: float, pad_len: torch.Tensor | None,
+                 offset: torch.Tensor, rotary: Any, dtype: torch.dtype):
+        self.past_len = past_len
+        self.q_len = q_len
+        self.scaling = scaling
+        self.pad_len = pad_len
+        self.offset = offset
+        self._rotary = rotary
+        self._dtype = dtype
+
+    @property
+    def new_index(self) -> torch.Tensor:
+        return torch.arange(self.past_len, self.past_len + self.q_len, device=self.offset.device)
+
+    def positions(self, index: torch.Tensor) -> torch.Tensor:
+        """RoPE positions ``[B, n]`` of token indices ``index`` (``[n]`` or ``[B, n]``)."""
+        idx = index if index.dim() == 2 else index.unsqueeze(0)
+        return (idx.long() - self.offset[:, None]).clamp(min=0)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, n, d]`` of the model's RoPE at ``positions [B, n]``."""
+        probe = torch.empty(0, device=positions.device, dtype=self._dtype)
+        return self._rotary(probe, positions)
+
+
+class LayerHandle:
+    """Returned by ``cache.update`` in place of key/value tensors; the attention function uses it."""
+
+    __slots__ = ("cache", "layer")
+
+    def __init__(self, cache: "KVShrinkCache", layer: "CacheLayer"):
+        self.cache = cache
+        self.layer = layer
+
+
+class CacheLayer(CacheLayerMixin):
+    """One decoder layer's store. Methods subclass this and implement the four abstract hooks."""
+
+    is_compileable = False
+    method_name = "?"
+
+    def __init__(self, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.info = spec.model
+        self.layer_idx = spec.layer_idx
+        self.seen = 0
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.is_initialized = True
+
+    # ---- what a method implements -------------------------------------------------------------
+    def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        """Attention of ``query [B, H_q, q, d]`` over the tokens stored before this step."""
+        raise NotImplementedError
+
+    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
+        """Absorb this step's tokens (post-RoPE ``[B, H_kv, q, d]``) into the store."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds."""
+        raise NotImplementedError
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes per part of the store; the values sum to ``nbytes()``."""
+        return {"total": self.nbytes()}
+
+    def stats(self) -> dict[str, float]:
+        """Method-specific counters (e.g. miss rates); empty by default."""
+        return {}
+
+    def clear(self) -> None:
+        """Drop every stored token (called by ``reset``)."""
+        raise NotImplementedError
+
+    # ---- framework --------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._pending is not None:
+            raise RuntimeError(
+                "kvshrink: the previous step's tokens were never attended. The model is not using the "
+                "'kvshrink' attention implementation; create the cache with kvshrink.make_cache(name, model)."
+            )
+        self._pending = (key_states, value_states)
+        self.seen += key_states.shape[2]
+        return key_states, value_states
+
+    def attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Attention output ``[B, q, H_q, d]`` for this step, then commit the new tokens."""
+        key, value = self._pending
+        parts = self.past_partials(query, ctx)
+        if not parts and ctx.q_len > 1:
+            out = causal_chunk_attention(query, key, value, ctx.scaling, ctx.pad_len).float()
+        else:
+            parts.append(exact_partial(query, key, value, ctx.scaling, key_index=ctx.new_index,
+                                       query_index=ctx.new_index, pad_len=ctx.pad_len))
+            out = merge_partials(parts).out
+        self._pending = None
+        self.commit(key, value, ctx)
+        return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self._pending = None
+        self.clear()
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"kvshrink method '{self.method_name}' does not support {what}")
+
+    def crop(self, max_length: int) -> None:
+        self._unsupported("crop (assisted / speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("expanding the batch (num_return_sequences > 1, beam search)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._unsupported("selecting batch rows (contrastive search, beam search)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._unsupported("beam search")
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+
+def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+class KVShrinkCache(Cache):
+    """A transformers ``Cache`` whose layers compute attention from their own (compressed) stores."""
+
+    def __init__(self, method: str, options: dict[str, Any], info: ModelInfo,
+                 layer_factory: Callable[[LayerSpec], CacheLayer], multi_turn: bool = False):
+        layers = [layer_factory(LayerSpec(i, info)) for i in range(info.num_layers)]
+        super().__init__(layers=layers)
+        self.method = method
+        self.options = dict(options)
+        self.info = info
+        self.multi_turn = multi_turn
+        self._clear_bookkeeping()
+
+    def _clear_bookkeeping(self) -> None:
+        self._ctx: StepContext | None = None
+        self._pad_len: torch.Tensor | None = None
+        self._offset: torch.Tensor | None = None
+        self._batch: int | None = None
+        self.decode_steps = 0
+
+    def __repr__(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"KVShrinkCache({self.method}{':' + opts if opts else ''}, tokens={self.get_seq_length()})"
+
+    # ---- transformers Cache API ----------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self._start_step(key_states)
+        layer = self.layers[layer_idx]
+        layer.update(key_states, value_states)
+        handle = LayerHandle(self, layer)
+        return handle, handle
+
+    def _start_step(self, key_states: torch.Tensor) -> None:
+        b, _, q, _ = key_states.shape
+        if self._batch is not None and b != self._batch:
+            raise ValueError(f"kvshrink: this cache holds a batch of {self._batch} rows, got {b}")
+        if q > 1 and self.decode_steps > 0 and not self.multi_turn:
+            raise CacheReuseError(
+                f"kvshrink: this cache already holds {self.get_seq_length()} tokens of an earlier prompt and its "
+                "answer. Call cache.reset() (or make a new cache) before a new prompt; to continue the same "
+                "conversation create the cache with make_cache(..., multi_turn=True)."
+            )
+        if torch.isnan(key_states).any():
+            raise ValueError("kvshrink: NaN in the key states of layer 0; check the model inputs")
+        self._batch = b
+        self._ctx = None
+        if q == 1:
+            self.decode_steps += 1
+
+    def step_context(self, attention_mask: Any, position_ids: torch.Tensor | None, q_len: int,
+                     scaling: float, device: torch.device) -> StepContext:
+        """The context of the current step, built once (by layer 0's attention call) and shared."""
+        if self._ctx is not None:
+            return self._ctx
+        past_len = self.layers[0].seen - q_len
+        self._record_padding(attention_mask, past_len + q_len, device)
+        self._record_positions(position_ids, past_len, q_len, device)
+        self._ctx = StepContext(past_len, q_len, scaling, self._pad_len, self._offset, self.info.rotary,
+                                self.info.dtype)
+        return self._ctx
+
+    def _record_padding(self, attention_mask: Any, kv_len: int, device: torch.device) -> None:
+        if attention_mask is None:
+            if self._pad_len is None:
+                return
+            raise ValueError("kvshrink: padding mask disappeared after the first step of a padded batch")
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+            raise NotImplementedError("kvshrink: expected a 4D boolean attention mask from the 'kvshrink' mask function")
+        valid = attention_mask[:, 0, -1, :kv_len].bool()
+        pad_len = (~valid).int().cumprod(dim=-1).sum(dim=-1)
+        positions = torch.arange(valid.shape[1], device=valid.device)
+        if not torch.equal(valid, positions[None, :] >= pad_len[:, None]):
+            raise NotImplementedError(
+                "kvshrink supports left padding only (padding tokens first, then the prompt); got a mask with "
+                "holes or right padding"
+            )
+        pad_len = pad_len.to(device)
+        if self._pad_len is not None and not torch.equal(pad_len, self._pad_len):
+            raise ValueError("kvshrink: the padding of the batch changed between steps")
+        self._pad_len = pad_len if bool((pad_len > 0).any()) else None
+
+    def _record_positions(self, position_ids: torch.Tensor | None, past_len: int, q_len: int,
+                          device: torch.device) -> None:
+        """Learn (first step) and check (every step) that positions are ``index - offset[row]``."""
+        b = self._batch
+        if self._offset is None:
+            if position_ids is None:
+                offset = torch.zeros(b, dtype=torch.long, device=device)
+            else:
+                pos = position_ids.to(device).expand(b, -1)
+                last_index = past_len + q_len - 1
+                offset = last_index - pos[:, -1].long()
+            self._offset = offset
+        if position_ids is None:
+            return
+        index = torch.arange(past_len, past_len + q_len, device=device)
+        expected = index[None, :] - self._offset[:, None]
+        valid = index[None, :] >= (self._pad_len[:, None] if self._pad_len is not None else 0)
+        got = position_ids.to(device).expand(b, -1).long()
+        if not bool(((got == expected) | ~valid).all()):
+            raise NotImplementedError(
+                "kvshrink needs position_ids that count tokens (index minus left padding), as generate() "
+                "makes them; got other positions"
+            )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        """Empty every layer so the cache can take a new prompt."""
+        for layer in self.layers:
+            layer.reset()
+        self._clear_bookkeeping()
+
+    def crop(self, max_length: int) -> None:
+        for layer in self.layers:
+            layer.crop(max_length)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
+        self._repeat_bookkeeping(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self._batch is not None:
+            self._batch *= repeats
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+        self._repeat_bookkeeping(lambda t: t.index_select(0, indices.to(t.device)))
+        if self._batch is not None:
+            self._batch = len(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
+
+    def _repeat_bookkeeping(self, fn) -> None:
+        if self._pad_len is not None:
+            self._pad_len = fn(self._pad_len)
+        if self._offset is not None:
+            self._offset = fn(self._offset)
+
+    # ---- accounting ---------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self._batch or 1
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds (all layers plus the cache's own bookkeeping)."""
+        return sum(layer.nbytes() for layer in self.layers) + held_bytes([self._pad_len, self._offset])
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 DynamicCache would hold for the same tokens."""
+        i = self.info
+        return fp16_kv_bytes(i.num_layers, i.num_kv_heads, i.head_dim, self.get_seq_length(), self.batch_size)
+
+    def compression_ratio(self) -> float:
+        held = self.nbytes()
+        return self.fp16_nbytes() / held if held else float("nan")
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes per part, summed over layers (the values sum to ``nbytes()``)."""
+        out = {k: int(v) for k, v in _sum_dicts([layer.breakdown() for layer in self.layers]).items()}
+        book = held_bytes([self._pad_len, self._offset])
+        if book:
+            out["bookkeeping"] = out.get("bookkeeping", 0) + book
+        return out
+
+    def stats(self) -> dict[str, float]:
+        """Method counters summed over layers (keys ending in ``_rate`` are averaged)."""
+        per_layer = [layer.stats() for layer in self.layers]
+        total = _sum_dicts(per_layer)
+        for k in total:
+            if k.endswith("_rate"):
+                total[k] /= max(1, len(per_layer))
+        return total
+
+    def summary(self) -> str:
+        return (f"{self.method}: {self.get_seq_length()} tokens, {self.nbytes() / 2**20:.2f} MiB held, "
+                f"fp16 {self.fp16_nbytes() / 2**20:.2f} MiB, ratio {self.compression_ratio():.2f}x")

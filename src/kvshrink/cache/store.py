@@ -1,0 +1,137 @@
+"""Exact token storage with per-row token indices, and byte accounting.
+
+Every method keeps some tokens exactly (the whole cache for ``full``, sinks and windows for Shard,
+the kept set of eviction methods). ``ExactStore`` is that one piece of code.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from kvshrink.cache.attention import Partial, exact_partial
+
+
+def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once.
+
+    A view keeps its whole storage alive, so a sliced tensor is charged for what it really holds.
+    """
+    seen: set[tuple[int, str]] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), str(t.device))
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def fp16_kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int, batch: int = 1) -> int:
+    """Bytes an fp16 DynamicCache holds for ``tokens`` tokens of ``batch`` rows."""
+    return 2 * num_layers * num_kv_heads * head_dim * tokens * batch * 2
+
+
+class ExactStore:
+    """Keys and values ``[B, H_kv, n, d]`` kept exactly, with each token's index.
+
+    ``index`` is None while the store holds the contiguous tokens ``0..n-1`` of every row (no
+    bookkeeping needed); once rows diverge (eviction) it becomes an int32 ``[B, n]`` tensor.
+    ``dtype`` overrides the storage dtype (e.g. fp16 sinks in an fp32 model).
+    """
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        self.dtype = dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.index: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def token_index(self) -> torch.Tensor:
+        """``[B, n]`` (or ``[n]`` while contiguous) indices of the stored tokens."""
+        if self.index is not None:
+            return self.index.long()
+        return torch.arange(len(self), device=self.keys.device)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, index: torch.Tensor) -> None:
+        """Add tokens ``[B, H_kv, q, d]`` whose indices are ``index`` (``[q]`` or ``[B, q]``)."""
+        if self.dtype is not None:
+            key, value = key.to(self.dtype), value.to(self.dtype)
+        contiguous = index.dim() == 1 and self.index is None and int(index[0]) == len(self)
+        if not contiguous:
+            self._materialise_index(key.shape[0])
+            idx = index if index.dim() == 2 else index.unsqueeze(0).expand(key.shape[0], -1)
+            self.index = idx.to(torch.int32) if self.index is None else torch.cat([self.index, idx.to(torch.int32)], 1)
+        if self.keys is None:
+            self.keys, self.values = key.contiguous(), value.contiguous()
+        else:
+            self.keys = torch.cat([self.keys, key], dim=2)
+            self.values = torch.cat([self.values, value], dim=2)
+
+    def _materialise_index(self, batch: int) -> None:
+        if self.index is None and self.keys is not None:
+            n = len(self)
+            self.index = torch.arange(n, device=self.keys.device, dtype=torch.int32).expand(batch, n).contiguous()
+
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep, per row, the stored tokens at ``positions`` (``[B, m]`` positions in the store)."""
+        self._materialise_index(self.keys.shape[0])
+        b, hkv, _, d = self.keys.shape
+        gather = positions.long()[:, None, :, None].expand(b, hkv, positions.shape[1], d)
+        self.keys = torch.gather(self.keys, 2, gather)
+        self.values = torch.gather(self.values, 2, gather)
+        self.index = torch.gather(self.index, 1, positions.long())
+
+    def take(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of the keys, values and indices at ``positions`` (``[B, m]``), store unchanged."""
+        b, hkv, _, d = self.keys.shape
+        gather = positions.long()[:, None, :, None].expand(b, hkv, positions.shape[1], d)
+        index = self.token_index()
+        index = index if index.dim() == 2 else index.unsqueeze(0).expand(b, -1)
+        return (torch.gather(self.keys, 2, gather), torch.gather(self.values, 2, gather),
+                torch.gather(index, 1, positions.long()))
+
+    def partial(self, query: torch.Tensor, scaling: float, pad_len: torch.Tensor | None,
+                return_probs: bool = False):
+        """Exact attention of ``query`` over every stored token (all are in the query's past)."""
+        return exact_partial(query, self.keys, self.values, scaling, key_index=self.token_index(),
+                             pad_len=pad_len, return_probs=return_probs)
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        if self.keys is None:
+            return
+        self.keys = self.keys.index_select(0, indices)
+        self.values = self.values.index_select(0, indices)
+        if self.index is not None:
+            self.index = self.index.index_select(0, indices)
+
+    def crop_to(self, tokens: int) -> None:
+        """Drop stored tokens whose index is ``>= tokens`` (contiguous stores only)."""
+        if self.keys is None:
+            return
+        if self.index is not None:
+            raise NotImplementedError("cannot crop a store whose rows hold different tokens")
+        self.keys = self.keys[:, :, :tokens].contiguous()
+        self.values = self.values[:, :, :tokens].contiguous()
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.keys, self.values, self.index]
+
+    def nbytes(self) -> int:
+        return held_bytes(self.tensors())
+
+
+def partial_or_none(store: ExactStore, query: torch.Tensor, scaling: float,
+                    pad_len: torch.Tensor | None) -> list[Partial]:
+    """``[store.partial(...)]`` or ``[]`` for an empty store."""
+    return [store.partial(query, scaling, pad_len)] if len(store) else []

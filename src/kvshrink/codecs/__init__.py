@@ -1,0 +1,1 @@
+"""Reusable tensor codecs (no cache logic)."""

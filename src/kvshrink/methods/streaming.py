@@ -1,0 +1,66 @@
+"""``streaming`` (StreamingLLM): the first ``sinks`` tokens and a rolling window of recent tokens.
+
+Everything else is evicted. With left padding the sinks are each row's first real tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.store import ExactStore, partial_or_none
+
+
+def sinks_and_window(index: torch.Tensor, pad_len: torch.Tensor | None, sinks: int, window: int,
+                     seen: int) -> torch.Tensor | None:
+    """Store positions ``[B, sinks+window]`` to keep, or None while nothing needs evicting.
+
+    ``index`` is the ``[B, n]`` token index of each stored token (ascending per row). Rows evict
+    together, once every row has more than ``sinks`` real tokens before its window.
+    """
+    b, n = index.shape
+    pad = pad_len if pad_len is not None else torch.zeros(b, dtype=torch.long, device=index.device)
+    if n <= sinks + window or seen - window < int(pad.max()) + sinks:
+        return None
+    first_real = (index < pad[:, None]).sum(dim=1)  # store position of each row's first real token
+    sink_pos = first_real[:, None] + torch.arange(sinks, device=index.device)[None, :]
+    window_pos = torch.arange(n - window, n, device=index.device).expand(b, window)
+    return torch.cat([sink_pos, window_pos], dim=1)
+
+
+@register_method(
+    "streaming",
+    "StreamingLLM: keep attention sinks and a recent window, evict the rest",
+    options={
+        "sinks": Option(4, "tokens kept at the start of each row"),
+        "window": Option(1024, "most recent tokens kept"),
+    },
+)
+class StreamingLayer(CacheLayer):
+    def __init__(self, spec: LayerSpec, sinks: int = 4, window: int = 1024):
+        super().__init__(spec)
+        if sinks < 0 or window < 1:
+            raise ValueError(f"streaming needs sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
+        self.sinks, self.window = sinks, window
+        self.store = ExactStore()
+
+    def past_partials(self, query: torch.Tensor, ctx: StepContext):
+        return partial_or_none(self.store, query, ctx.scaling, ctx.pad_len)
+
+    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
+        self.store.append(key, value, ctx.new_index)
+        index = self.store.token_index()
+        index = index if index.dim() == 2 else index.unsqueeze(0).expand(key.shape[0], -1)
+        keep = sinks_and_window(index, ctx.pad_len, self.sinks, self.window, self.seen)
+        if keep is not None:
+            self.store.keep(keep)
+
+    def nbytes(self) -> int:
+        return self.store.nbytes()
+
+    def breakdown(self) -> dict[str, int]:
+        return {"exact": self.nbytes()}
+
+    def clear(self) -> None:
+        self.store.reset()

