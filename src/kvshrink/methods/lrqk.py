@@ -65,6 +65,8 @@ OPTIONS = {
     "factor_dtype": Option("float16", "dtype of the stored key factors", choices=tuple(_FACTOR_DTYPES)),
     "update_bases": Option(True, "take the line-search step on the bases at each decode step"),
     "seed": Option(0, "seed of the random initialisation of the factorization"),
+    "measure_recall": Option(False, "diagnostic: record the exact attention mass the top-k captures "
+                                    "(reads every key from the slow tier each step; slow)"),
 }
 
 
@@ -95,7 +97,7 @@ class LRQKLayer(CacheLayer):
                  slow_tier: str = "cpu", disk_folder: str | None = None, policy: str = "set",
                  extra_slots: int | None = None, prefetch: bool = False, prefill_chunk: int | None = None,
                  factor_heads: str = "kv", factor_dtype: str = "float16", update_bases: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, measure_recall: bool = False):
         super().__init__(spec)
         _validate(self.info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk)
         if slow_tier == "disk":
@@ -114,6 +116,7 @@ class LRQKLayer(CacheLayer):
         self.factor_dtype = _FACTOR_DTYPES[factor_dtype]
         self.update_bases = update_bases
         self.seed = seed + 1000 * self.layer_idx
+        self.measure_recall = measure_recall
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 
@@ -149,8 +152,10 @@ class LRQKLayer(CacheLayer):
         self._query: torch.Tensor | None = None
         self._k_hat: torch.Tensor | None = None
         self._prefetched = None
+        self._last_selected: torch.Tensor | None = None
         self.counters = {"decode_steps": 0, "selected_rows": 0, "missed_rows": 0, "bytes_moved": 0,
-                         "prefetch_rows": 0, "prefetch_hits": 0, "prefetch_bytes": 0}
+                         "prefetch_rows": 0, "prefetch_hits": 0, "prefetch_bytes": 0,
+                         "recall_sum": 0.0, "oracle_sum": 0.0, "recall_count": 0}
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
     def close(self) -> None:
@@ -192,7 +197,10 @@ class LRQKLayer(CacheLayer):
             k = k.reshape(b, hkv, stop - start, -1).to(query.device, non_blocking=True)
             v = v.reshape(b, hkv, stop - start, -1).to(query.device, non_blocking=True)
             index = torch.arange(start, stop, device=query.device)
-            parts.append(exact_partial(query, k, v, ctx.scaling, key_index=index, pad_len=ctx.pad_len))
+            # query_index masks nothing here (every past token precedes the chunk) but gives the mask
+            # a per-query row, the shape exact_partial expands correctly for q > 1.
+            parts.append(exact_partial(query, k, v, ctx.scaling, key_index=index, pad_len=ctx.pad_len,
+                                       query_index=ctx.new_index if ctx.pad_len is not None else None))
         return parts
 
     def _decode_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
@@ -237,7 +245,14 @@ class LRQKLayer(CacheLayer):
             keys = torch.cat([keys, self.win_k.to(keys.device)], dim=2)
         tok = self._factor_keys(tok.unsqueeze(-1)).squeeze(-1)      # [B, F, S']
         keys = self._factor_keys(keys)
-        weight = (tok >= 0).float()
+        # Ω = what the paper's fast memory holds: last step's selection and the window. Extra slots
+        # kept by lru/attention are left out so the policy changes data movement, never answers.
+        attended = tok >= 0
+        if self._last_selected is not None:
+            last = slots.selected_index(self._last_selected, _NEVER) != _NEVER
+            last = last.reshape(b, -1, slots.capacity).repeat_interleave(self.copies, dim=1)
+            attended[:, :, : slots.capacity] &= last
+        weight = attended.float()
         a = torch.gather(self.a_k[:, :, : self.a_len], 2,
                          tok.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.rank).to(self.a_k.device))
         return (a.reshape(b * f, -1, self.rank), keys.reshape(b * f, -1, keys.shape[-1]),
@@ -262,10 +277,34 @@ class LRQKLayer(CacheLayer):
         selected, mass = self._select(ctx, candidates)
         prefetched = self._take_prefetch()
         report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
+        self._last_selected = selected
         self._record(report)
         if self.prefetch_on:
             self._start_prefetch(ctx, candidates, selected)
+        if self.measure_recall:
+            self._measure_recall(query, ctx, candidates, selected)
         return self._slot_partial(query, ctx, selected)
+
+    def _measure_recall(self, query: torch.Tensor, ctx: StepContext, candidates: int,
+                        selected: torch.Tensor) -> None:
+        """Exact attention mass (over the top-k candidates only) that the selection covers, per query
+        head, averaged: how well the proxy scores find the true top-k."""
+        b, hq, _, d = query.shape
+        hkv = self.info.num_kv_heads
+        keys, _ = self.slow.read_range(0, candidates)                # [B·H_kv, n, d]
+        q = query.reshape(b * hkv, hq // hkv, d).float()
+        logits = (q @ keys.to(q.device).float().transpose(-1, -2)) * ctx.scaling   # [B·H_kv, G, n]
+        if ctx.pad_len is not None:
+            pad = torch.arange(candidates, device=q.device)[None, :] < ctx.pad_len.to(q.device)[:, None]
+            logits = logits.masked_fill(pad.repeat_interleave(hkv, 0)[:, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        covered = torch.gather(probs, 2, selected.to(q.device)[:, None, :].expand(-1, hq // hkv, -1)).sum(-1)
+        # The best any per-KV-head selection of the same size can do: the true top-k of the group's mass.
+        best = torch.topk(probs.sum(1), selected.shape[1], dim=-1).indices
+        oracle = torch.gather(probs, 2, best[:, None, :].expand(-1, hq // hkv, -1)).sum(-1)
+        self.counters["recall_sum"] += float(covered.sum())
+        self.counters["oracle_sum"] += float(oracle.sum())
+        self.counters["recall_count"] += covered.numel()
 
     def _slot_partial(self, query: torch.Tensor, ctx: StepContext, selected: torch.Tensor) -> Partial:
         """Exact attention over the slots holding the selection; each KV head folded into the batch
@@ -425,6 +464,9 @@ class LRQKLayer(CacheLayer):
         warm = self.step_log[1:]
         sel = sum(s for s, _, _ in warm)
         out["warm_miss_rate"] = sum(m for _, m, _ in warm) / sel if sel else 0.0
+        if c["recall_count"]:
+            out["topk_mass_recall_rate"] = c["recall_sum"] / c["recall_count"]
+            out["topk_mass_oracle_rate"] = c["oracle_sum"] / c["recall_count"]
         out["fast_tier_bytes"] = float(self.nbytes())
         out["slow_tier_bytes"] = float(self.slow_tier_bytes())
         return out

@@ -165,7 +165,8 @@ class DiskSlowTier(SlowTier):
         capacity = 0 if self._data is None else self._data.shape[0]
         if needed <= capacity:
             return
-        self._check(0, 0)
+        if self._data is not None:
+            self._check(0, 0)
         # The file grows in place (truncate keeps the bytes), then it is mapped again.
         self._data = None
         self._data = self._allocate(_grow(capacity, needed))
