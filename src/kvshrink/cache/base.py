@@ -326,6 +326,13 @@ class KVShrinkCache(Cache):
     def is_compileable(self) -> bool:
         return False
 
+    def close(self) -> None:
+        """Release what layers hold outside Python memory (e.g. LRQK's disk tier files)."""
+        for layer in self.layers:
+            close = getattr(layer, "close", None)
+            if close is not None:
+                close()
+
     def reset(self) -> None:
         """Empty every layer so the cache can take a new prompt."""
         for layer in self.layers:
