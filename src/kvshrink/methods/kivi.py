@@ -53,8 +53,10 @@ class ExactTail:
     def pop_oldest(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Remove and return the ``n`` oldest tokens."""
         k, v = self.keys[:, :, :n], self.values[:, :, :n]
-        self.keys = self.keys[:, :, n:].contiguous()
-        self.values = self.values[:, :, n:].contiguous()
+        # clone, not contiguous(): a slice that is already contiguous would keep the old storage alive
+        rest = len(self) - n
+        self.keys = self.keys[:, :, n:].clone() if rest else None
+        self.values = self.values[:, :, n:].clone() if rest else None
         self.start += n
         return k, v
 
