@@ -19,8 +19,12 @@ class KVShrinkBackend:
     def parse(self, spec: str) -> tuple[str, dict[str, Any]]:
         import kvshrink
 
-        # parse_method_spec raises ValueError for an unknown method, listing the registered ones.
-        return kvshrink.parse_method_spec(spec)
+        from kvshrink.cache.registry import get_method, resolve_options
+
+        # Unknown methods and options raise ValueError listing the valid ones, before any model loads.
+        name, options = kvshrink.parse_method_spec(spec)
+        resolve_options(get_method(name), options)
+        return name, options
 
     def make_cache(self, spec: str, model):
         import kvshrink

@@ -215,9 +215,9 @@ def plot_pareto(rows: list[dict], out_dir: str) -> str | None:
     ax.set_xlabel("compression ratio (fp16 bytes / bytes held)")
     ax.set_ylabel("mean score (NIAH and RULER)")
     ax.set_ylim(-5, 105)
-    ax.set_xlim(left=0)
+    ax.set_xlim(0, 1.35 * max(p[0] for p in points))  # room for the labels right of the points
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")
     ax.set_title("Quality against compression", fontsize=10)
     fig.tight_layout()
     path = os.path.join(out_dir, "pareto.png")

@@ -95,8 +95,8 @@ class Runner:
         self.opt = options
         self.backend = backend or KVShrinkBackend(options.model_ref)
         self.model, self.tok = model, tokenizer
-        self.writer = RowWriter(out_dir)
         self.methods = {spec: self.backend.parse(spec) for spec in self.specs}  # unknown method -> error
+        self.writer = RowWriter(out_dir)
 
     # -- setup -----------------------------------------------------------------------------------
     def load(self) -> None:
