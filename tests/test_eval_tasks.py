@@ -32,7 +32,8 @@ class WordTokenizer:
         return {"input_ids": [self._id(w) for w in re.findall(r"\S+|\n", text)]}
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return " ".join(self.words[i - 10] for i in ids).replace(" \n ", "\n")
+        words = (self.words[i - 10] if 10 <= i < len(self.words) + 10 else f"<{i}>" for i in ids)
+        return " ".join(words).replace(" \n ", "\n")
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
         text = "".join(f"<user>\n{m['content']}\n</user>\n" for m in messages)

@@ -1,0 +1,63 @@
+"""The runner on a tiny random Llama (no real model): rows, references, resume, context check."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvshrink.eval.runner import RunOptions, Runner
+from kvshrink.eval.suites import resolve_suite
+
+from conftest import tiny_model
+from test_eval_tasks import WordTokenizer
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = WordTokenizer()
+    tok(open(__file__).read())  # any text; ids grow as the essays are read
+    model = tiny_model(vocab_size=40000, max_position_embeddings=1024)
+    return model, tok
+
+
+def run(tmp_path, setup, specs, tasks, lengths):
+    model, tok = setup
+    suite = resolve_suite("quick", tasks, lengths=lengths)
+    runner = Runner(str(tmp_path), specs, suite, RunOptions(progress=False, limit=2), model=model, tokenizer=tok)
+    return runner.run(), [json.loads(l) for l in open(tmp_path / "rows.jsonl")]
+
+
+def test_rows_hold_every_figure_and_a_rerun_skips_them(tmp_path, setup):
+    written, rows = run(tmp_path, setup, ["streaming:window=32,sinks=4"], ["niah", "ppl", "agreement"], [300])
+    # full is added as the reference; --limit 2: 2 NIAH depths + 1 ppl + 2 agreement domains, 2 specs
+    assert written == 10 and len(rows) == 10
+    assert [r["spec"] for r in rows[:2]] == ["full", "streaming:window=32,sinks=4"]
+    for r in rows:
+        assert r["nbytes"] > 0 and r["fp16_nbytes"] > 0 and r["prefill_s"] > 0
+        assert abs(r["ratio"] - r["fp16_nbytes"] / r["nbytes"]) < 1e-6
+        assert r["method"] in ("full", "streaming")
+    stream = [r for r in rows if r["method"] == "streaming"]
+    full = [r for r in rows if r["method"] == "full"]
+    assert all(s["ratio"] > 3 * f["ratio"] for s, f in zip(stream, full))
+    assert all(r["agreement"] == 100.0 and r["first_divergence"] is None
+               for r in full if r["task"] == "agreement")
+    assert next(r for r in full if r["task"] == "ppl")["ppl_ratio"] == 1.0
+    s_ppl = next(r for r in stream if r["task"] == "ppl")
+    f_ppl = next(r for r in full if r["task"] == "ppl")
+    assert s_ppl["ppl_ratio"] == pytest.approx(s_ppl["ppl"] / f_ppl["ppl"])
+    assert stream[0]["options"] == {"window": "32", "sinks": "4"}
+    again, rows2 = run(tmp_path, setup, ["streaming:window=32,sinks=4"], ["niah", "ppl", "agreement"], [300])
+    assert again == 0 and len(rows2) == 10
+
+
+def test_a_length_beyond_the_context_is_refused(tmp_path, setup):
+    with pytest.raises(ValueError, match="positions"):
+        run(tmp_path, setup, ["full"], ["niah"], [1020])
+
+
+def test_an_unknown_method_or_option_is_refused_before_any_work(tmp_path, setup):
+    with pytest.raises(ValueError, match="available"):
+        run(tmp_path / "a", setup, ["nosuch"], ["niah"], [300])
+    with pytest.raises(ValueError, match="valid options"):
+        run(tmp_path / "b", setup, ["streaming:windw=3"], ["niah"], [300])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
