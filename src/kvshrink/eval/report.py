@@ -88,7 +88,8 @@ def summary_markdown(rows: list[dict]) -> str:
     parts = ["## Summary", "", markdown_table(header, body), "",
              "NIAH/RULER: mean score 0-100. ppl / full: perplexity ratio to the full cache on the same "
              "text. agree %: share of greedy tokens identical to the full cache's. compression: fp16 "
-             "bytes / bytes held (mean over NIAH/RULER prompts). decode, prefill: median ratio of time "
+             "bytes / bytes held (mean over NIAH/RULER prompts; a cache kept in the model's dtype holds "
+             "fp32 on an fp32 model, so full shows 0.50x). decode, prefill: median ratio of time "
              "to full's in the same repeat (each in its own process). peak MB: RSS growth during "
              "prefill+decode at the longest cost length."]
     parts += ["", niah_table(rows), "", ruler_table(rows), "", cost_table(rows)]
