@@ -6,7 +6,7 @@ from .hadamard import RandomRotation, hadamard_matrix, is_power_of_two, random_o
 from .lloyd_max import TURBO_BITS, TurboCode, TurboQuantizer, lloyd_max_boundaries, lloyd_max_centroids
 from .pca import PCA_BITS, PCACode, PCAFit, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances
 from .rope import apply_rope, rotate_half, undo_rope
-from .vq import VQCode, assign_codes, fit_codebook, vq_encode
+from .vq import VQCode, assign_codes, fit_codebook, gaussian_codebook, vq_encode
 
 __all__ = [
     "pack_bits", "packed_size", "unpack_bits",
@@ -14,5 +14,5 @@ __all__ = [
     "TURBO_BITS", "TurboCode", "TurboQuantizer", "lloyd_max_boundaries", "lloyd_max_centroids",
     "PCA_BITS", "PCACode", "PCAFit", "allocate_bits", "encode_pca", "fit_pca", "group_sizes", "group_variances",
     "apply_rope", "rotate_half", "undo_rope",
-    "VQCode", "assign_codes", "fit_codebook", "vq_encode",
+    "VQCode", "assign_codes", "fit_codebook", "gaussian_codebook", "vq_encode",
 ]

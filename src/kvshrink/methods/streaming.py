@@ -42,6 +42,8 @@ def sinks_and_window(index: torch.Tensor, pad_len: torch.Tensor | None, sinks: i
     },
 )
 class StreamingLayer(CacheLayer):
+    commit_needs_attention = False
+
     def __init__(self, spec: LayerSpec, sinks: int = 4, window: int = 1024):
         super().__init__(spec)
         if sinks < 0 or window < 1:
