@@ -309,6 +309,28 @@ def test_kivi_attention_from_packed_form_equals_attention_over_dequantized():
     assert (out - (p @ exact_v).transpose(1, 2)).abs().max() < 0.05
 
 
+def test_kivi_left_padding_never_widens_a_quantization_range():
+    """Row 1 is left-padded with garbage keys (1e3): they must not enter the range of the groups they share
+    with real tokens, and the row's attention must be close to exact attention over its real tokens."""
+    torch.manual_seed(10)
+    b, hq, hkv, d, t, pad = 2, 4, 2, 32, 200, 40
+    layer = KiviLayer(LayerSpec(0, info(hq, hkv, d)), bits=4, group=32, residual=16)
+    k, v = torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    k[1, :, :pad], v[1, :, :pad] = 1e3, -1e3
+    pad_len = torch.tensor([0, pad])
+    step(layer, torch.randn(b, hq, t, d), k, v, 0, pad_len=pad_len)
+    kq, vq = layer._dequantize(0, layer.quantized)
+    q_end = layer.quantized
+    assert (kq[1, :, pad:] - k[1, :, pad:q_end]).abs().max() < 0.3
+    assert (vq[1, :, pad:] - v[1, :, pad:q_end]).abs().max() < 0.3
+    query, nk, nv = torch.randn(b, hq, 1, d), torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
+    out = step(layer, query, nk, nv, t, pad_len=pad_len)
+    keys = torch.cat([k[1:, :, pad:], nk[1:]], 2).repeat_interleave(2, 1)
+    values = torch.cat([v[1:, :, pad:], nv[1:]], 2).repeat_interleave(2, 1)
+    p = torch.softmax(query[1:] @ keys.transpose(-1, -2) * d**-0.5, -1)
+    assert (out[1:] - (p @ values).transpose(1, 2)).abs().max() < 0.05
+
+
 @pytest.mark.parametrize("bits,residual", [(2, 128), (4, 16)])
 def test_kivi_bytes_by_hand(bits, residual):
     model = wide_model()  # 2 layers, 2 KV heads, head size 32, fp32
