@@ -49,7 +49,7 @@ from kvshrink.cache.store import held_bytes
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
-from kvshrink.codecs.pca import PCACode, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances
+from kvshrink.codecs.pca import COEFF_LEVELS, PCACode, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances
 from kvshrink.codecs.rope import apply_rope, undo_rope
 from kvshrink.codecs.vq import assign_codes, check_codebook_size, fit_codebook, gaussian_codebook
 
@@ -77,6 +77,7 @@ class ShardConfig:
     pca_group: int = 0
     rank: int = 0
     pca_scope: str = "layer"
+    k_levels: str = "lloyd"
     drop_penalty: float = 4.0
     stream_bits: int = 4
     qjl: bool = False
@@ -119,6 +120,8 @@ class ShardConfig:
             bad(f"drop_penalty must be >= 1, got {self.drop_penalty}")
         if self.min_block < 2 or self.block_tokens < 1:
             bad(f"need min_block >= 2 and block_tokens >= 1, got {self.min_block}, {self.block_tokens}")
+        if self.k_levels not in COEFF_LEVELS:
+            bad(f"k_levels must be one of {COEFF_LEVELS}, got {self.k_levels!r}")
         if self.pca_scope not in PCA_SCOPES:
             bad(f"pca_scope must be one of {PCA_SCOPES}, got {self.pca_scope!r}")
         if self.key_alloc not in KEY_ALLOCS:
@@ -143,6 +146,8 @@ OPTIONS = {
     "v_sample": Option(8192, "group vectors sampled to refine the codebook when v_fit='kmeans'"),
     "pca_group": Option(0, "PCA components per DP bit-allocation group (0 = H_kv*d/16)"),
     "rank": Option(0, "PCA components computed per scope (0 = all)"),
+    "k_levels": Option("lloyd", "key coefficient levels: 'lloyd' (2**b Gaussian Lloyd-Max levels) or "
+                       "'uniform' (symmetric ints, the source's int4)", choices=COEFF_LEVELS),
     "pca_scope": Option("layer", "one key PCA per 'layer' (all KV heads stacked, as the source) or per 'head' "
                         "(3x cheaper to decode with 3 KV heads)", choices=PCA_SCOPES),
     "drop_penalty": Option(4.0, "error multiplier for dropping a component group in the DP"),
@@ -484,7 +489,7 @@ class ShardLayer(CacheLayer):
         rank = min(self.cfg.rank or width, width)
         fits = [fit_pca(x.reshape(b * n, width), rank, seed=self.cfg.seed) for x in parts]
         bits = self.key_bits_per_component([f.variances for f in fits])
-        keys = [encode_pca(x, f, bb) for x, f, bb in zip(parts, fits, bits)]
+        keys = [encode_pca(x, f, bb, levels=self.cfg.k_levels) for x, f, bb in zip(parts, fits, bits)]
         v_codes, codebook, scale = self.encode_values(value)
         return MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook, v_scale=scale)
 
