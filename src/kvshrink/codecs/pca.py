@@ -177,6 +177,15 @@ def unit_levels(bits: int, kind: str, device=None) -> torch.Tensor:
     raise ValueError(f"coefficient levels must be one of {COEFF_LEVELS}, got {kind!r}")
 
 
+@functools.lru_cache(maxsize=32)
+def _byte_level_table(bits: int, levels: str, device: str) -> torch.Tensor:
+    """``[256, 8 // bits]``: the levels of the codes packed in each byte value (`pack_bits` order)."""
+    per = 8 // bits
+    byte = torch.arange(256, device=device).unsqueeze(1)
+    codes = (byte >> (torch.arange(per, device=device) * bits)) & ((1 << bits) - 1)
+    return unit_levels(bits, levels, device)[codes]
+
+
 def _quantize_unit(z: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     """Codes of ``z`` (coefficients divided by their step) for `unit_levels`."""
     if kind == "uniform":
@@ -236,7 +245,12 @@ class PCACode:
 
     def _run_levels(self, run, start: int, stop: int, dtype) -> torch.Tensor:
         bits, a, b, packed = run
-        codes = unpack_bits(packed[..., start:stop, :], bits, b - a)
+        rows = packed[..., start:stop, :]
+        if 8 % bits == 0:  # one gather per byte: a table from byte value to its codes' levels
+            table = _byte_level_table(bits, self.levels, str(packed.device)).to(dtype)
+            out = table[rows.long()]  # [..., n, bytes, 8/bits]
+            return out.reshape(*out.shape[:-2], -1)[..., : b - a]
+        codes = unpack_bits(rows, bits, b - a)
         return unit_levels(bits, self.levels, packed.device).to(dtype)[codes]
 
     def decode(self, start: int = 0, stop: int | None = None, dtype=torch.float32) -> torch.Tensor:
