@@ -76,7 +76,7 @@ class ShardConfig:
     v_sample: int = 8192
     pca_group: int = 0
     rank: int = 0
-    pca_scope: str = "layer"
+    pca_scope: str = "head"
     k_levels: str = "lloyd"
     drop_penalty: float = 4.0
     stream_bits: int = 4
@@ -148,7 +148,7 @@ OPTIONS = {
     "rank": Option(0, "PCA components computed per scope (0 = all)"),
     "k_levels": Option("lloyd", "key coefficient levels: 'lloyd' (2**b Gaussian Lloyd-Max levels) or "
                        "'uniform' (symmetric ints, the source's int4)", choices=COEFF_LEVELS),
-    "pca_scope": Option("layer", "one key PCA per 'layer' (all KV heads stacked, as the source) or per 'head' "
+    "pca_scope": Option("head", "one key PCA per 'layer' (all KV heads stacked, as the source) or per 'head' "
                         "(3x cheaper to decode with 3 KV heads)", choices=PCA_SCOPES),
     "drop_penalty": Option(4.0, "error multiplier for dropping a component group in the DP"),
     "stream_bits": Option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS),
