@@ -93,6 +93,9 @@ class CacheLayer(CacheLayerMixin):
 
     is_compileable = False
     method_name = "?"
+    # False when commit() needs nothing from the step's attention: a shared prefill (cache/fanout.py)
+    # then skips this layer's own attention computation.
+    commit_needs_attention = True
 
     def __init__(self, spec: LayerSpec):
         super().__init__()
@@ -149,12 +152,25 @@ class CacheLayer(CacheLayerMixin):
         if not parts and ctx.q_len > 1:
             out = causal_chunk_attention(query, key, value, ctx.scaling, ctx.pad_len).float()
         else:
-            parts.append(exact_partial(query, key, value, ctx.scaling, key_index=ctx.new_index,
-                                       query_index=ctx.new_index, pad_len=ctx.pad_len))
+            parts.append(self._chunk_partial(query, key, value, ctx))
             out = merge_partials(parts).out
         self._pending = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def _chunk_partial(query, key, value, ctx: StepContext) -> Partial:
+        """Exact causal attention of the new tokens over themselves."""
+        if ctx.q_len == 1:  # a lone new token sees exactly itself: no mask to build
+            return exact_partial(query, key, value, ctx.scaling)
+        return exact_partial(query, key, value, ctx.scaling, key_index=ctx.new_index, query_index=ctx.new_index,
+                             pad_len=ctx.pad_len)
+
+    def absorb_pending(self, ctx: StepContext) -> None:
+        """Commit the staged tokens without computing attention (shared prefill)."""
+        key, value = self._pending
+        self._pending = None
+        self.commit(key, value, ctx)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -318,6 +334,13 @@ class KVShrinkCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+    def close(self) -> None:
+        """Release what layers hold outside Python memory (e.g. LRQK's disk tier files)."""
+        for layer in self.layers:
+            close = getattr(layer, "close", None)
+            if close is not None:
+                close()
 
     def reset(self) -> None:
         """Empty every layer so the cache can take a new prompt."""

@@ -11,6 +11,8 @@ from kvshrink.cache.store import ExactStore, partial_or_none
 
 @register_method("full", "exact cache in the model's dtype (the reference)")
 class FullLayer(CacheLayer):
+    commit_needs_attention = False
+
     def __init__(self, spec: LayerSpec):
         super().__init__(spec)
         self.store = ExactStore()

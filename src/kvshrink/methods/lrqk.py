@@ -1,0 +1,521 @@
+"""``lrqk``: low-rank query/key scoring, exact top-k attention, and a two-tier cache.
+
+Per layer (see docs/design methods.md §2 and ``codecs/lowrank.py`` for the math):
+
+- **prefill** attention is exact. The Grams ``QᵀQ`` (queries of a KV head's group stacked) and ``KᵀK``
+  are accumulated chunk by chunk and the joint factorization is fitted from them after each prefill
+  chunk; the key factors ``A_K`` of every token (``[B, F, T, r]``, F = KV heads by default) are the
+  only per-token data in fast memory besides the slots and the window.
+- **decode**: the new token's ``q̂`` (per query head) and ``k̂`` come from closed-form updates
+  against the resident tokens, the bases take one exact-line-search step, proxy scores ``A_K q̂``
+  rank every token older than the window, and the per-KV-head top-k (by estimated attention mass
+  summed over the group) is made resident in the slots (``lrqk_tiers.SlotTier``), moving only the
+  missing rows from the slow tier. Attention is exact over the selected slots, the window and the
+  current token.
+- **slow tier**: every token's full K/V (``cpu`` or ``disk``), never counted in ``nbytes()``.
+
+When ``top_k`` covers every token older than the window the selection is all of them, so the output
+equals ``full`` (up to float rounding of the log-sum-exp merge).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvshrink.cache.attention import Partial, exact_partial
+from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.store import held_bytes
+from kvshrink.codecs.lowrank import (
+    decode_factor_vectors,
+    default_rank,
+    fit_lowrank_qk,
+    gram,
+    key_factors,
+    line_search_basis_step,
+)
+from kvshrink.methods.lrqk_tiers import POLICIES, SLOW_TIERS, SlotTier, SlowTier, make_slow_tier
+
+FACTOR_HEADS = ("kv", "query")
+_FACTOR_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Growth step of the key-factor buffer (tokens): the unused tail is held, so it is counted.
+_FACTOR_BLOCK = 256
+# Index given to slots that are resident but not selected: later than any query, so masked.
+_NEVER = 1 << 62
+
+OPTIONS = {
+    "rank": Option(None, "rank r of the query/key factors (default head_size/4: 16 for 64, 32 for 128)", type=int),
+    "top_k": Option(256, "tokens older than the window attended per KV head (exactly)"),
+    "window": Option(64, "most recent tokens always attended (kept in fast memory)"),
+    "iters": Option(2, "alternating iterations of the prefill factorization"),
+    "tol": Option(1e-2, "stop the prefill iterations once the objective changes by less (relative)"),
+    "lam": Option(1.0, "weight of the Q/K reconstruction penalties"),
+    "fast_device": Option("auto", "device of the fast tier: auto (the model's device), cpu, cuda, cuda:N"),
+    "slow_tier": Option("cpu", "where every token's full K/V lives", choices=SLOW_TIERS),
+    "disk_folder": Option(None, "folder for slow_tier=disk (a private subfolder is made and removed)", type=str),
+    "policy": Option("set", "slot replacement: set (paper), lru, attention", choices=POLICIES),
+    "extra_slots": Option(None, "slots beyond top_k for lru/attention/prefetch (default top_k/4)", type=int),
+    "prefetch": Option(False, "load the next-ranked rows in the background for the next step"),
+    "prefill_chunk": Option(None, "block of past tokens read at once by chunked-prefill attention", type=int),
+    "factor_heads": Option("kv", "key factors per KV head (kv) or per query head (query)", choices=FACTOR_HEADS),
+    "factor_dtype": Option("float16", "dtype of the stored key factors", choices=tuple(_FACTOR_DTYPES)),
+    "update_bases": Option(True, "take the line-search step on the bases at each decode step"),
+    "seed": Option(0, "seed of the random initialisation of the factorization"),
+    "measure_recall": Option(False, "diagnostic: record the exact attention mass the top-k captures "
+                                    "(reads every key from the slow tier each step; slow)"),
+}
+
+
+def _validate(info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk) -> None:
+    d = info.head_dim
+    if rank is not None and not 1 <= rank <= d:
+        raise ValueError(f"lrqk: rank must be in [1, head size {d}], got {rank}")
+    if top_k < 1:
+        raise ValueError(f"lrqk: top_k must be >= 1, got {top_k}")
+    if window < 0:
+        raise ValueError(f"lrqk: window must be >= 0, got {window}")
+    if iters < 1 or tol < 0 or lam <= 0:
+        raise ValueError(f"lrqk: need iters >= 1, tol >= 0, lam > 0; got iters={iters}, tol={tol}, lam={lam}")
+    if extra_slots is not None and extra_slots < 0:
+        raise ValueError(f"lrqk: extra_slots must be >= 0, got {extra_slots}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"lrqk: prefill_chunk must be >= 1, got {prefill_chunk}")
+
+
+@register_method(
+    "lrqk",
+    "LRQK: low-rank Q/K proxy scores pick the top-k tokens; exact attention over them; two-tier KV",
+    options=OPTIONS,
+)
+class LRQKLayer(CacheLayer):
+    def __init__(self, spec: LayerSpec, rank: int | None = None, top_k: int = 256, window: int = 64,
+                 iters: int = 2, tol: float = 1e-2, lam: float = 1.0, fast_device: str = "auto",
+                 slow_tier: str = "cpu", disk_folder: str | None = None, policy: str = "set",
+                 extra_slots: int | None = None, prefetch: bool = False, prefill_chunk: int | None = None,
+                 factor_heads: str = "kv", factor_dtype: str = "float16", update_bases: bool = True,
+                 seed: int = 0, measure_recall: bool = False):
+        super().__init__(spec)
+        _validate(self.info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk)
+        if slow_tier == "disk":
+            if disk_folder is None:
+                raise ValueError("lrqk: slow_tier='disk' needs disk_folder=<a writable folder>")
+            _check_writable(disk_folder)
+        self.rank = rank or default_rank(self.info.head_dim)
+        self.top_k, self.window, self.iters, self.tol, self.lam = top_k, window, iters, tol, lam
+        self.fast_device_option = fast_device
+        self.slow_kind, self.disk_folder = slow_tier, disk_folder
+        self.policy, self.prefetch_on = policy, prefetch
+        needs_extra = policy != "set" or prefetch
+        self.extra = (extra_slots if extra_slots is not None else top_k // 4) if needs_extra else 0
+        self.block = prefill_chunk or 1024
+        self.per_query_head = factor_heads == "query"
+        self.factor_dtype = _FACTOR_DTYPES[factor_dtype]
+        self.update_bases = update_bases
+        self.seed = seed + 1000 * self.layer_idx
+        self.measure_recall = measure_recall
+        self._pool: ThreadPoolExecutor | None = None
+        self.clear()
+
+    # ---- shapes --------------------------------------------------------------------------------------
+    @property
+    def copies(self) -> int:
+        """Factor heads per KV head: 1 (per KV head) or G (per query head)."""
+        return self.info.groups if self.per_query_head else 1
+
+    def _factor_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """``[B, H_q, q, d]`` -> ``[B, F, (G/c)·q, d]``: the queries each factor head models."""
+        b, hq, q, d = query.shape
+        f = self.info.num_kv_heads * self.copies
+        return query.reshape(b, f, (hq // f) * q, d)
+
+    def _factor_keys(self, key: torch.Tensor) -> torch.Tensor:
+        """``[B, H_kv, n, d]`` -> ``[B, F, n, d]`` (a repeat only for per-query-head factors)."""
+        return key.repeat_interleave(self.copies, dim=1) if self.copies > 1 else key
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        if getattr(self, "slow", None) is not None:
+            self.slow.close()
+        self._drain_prefetch()
+        self.slow: SlowTier | None = None
+        self.slots: SlotTier | None = None
+        self.win_k = self.win_v = None
+        self.a_k: torch.Tensor | None = None         # [B, F, capacity, r] key factors
+        self.a_len = 0
+        self.b_q = self.b_k = None                   # [B·F, r, d] bases (float32)
+        self.gram_q = self.gram_k = None              # [B·F, d, d] float64, dropped after prefill
+        self.fit_objective: list[float] = []
+        self._query: torch.Tensor | None = None
+        self._k_hat: torch.Tensor | None = None
+        self._prefetched = None
+        self._last_selected: torch.Tensor | None = None
+        self.counters = {"decode_steps": 0, "selected_rows": 0, "missed_rows": 0, "bytes_moved": 0,
+                         "prefetch_rows": 0, "prefetch_hits": 0, "prefetch_bytes": 0,
+                         "recall_sum": 0.0, "oracle_sum": 0.0, "recall_count": 0}
+        self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
+
+    def close(self) -> None:
+        """Release both tiers (deletes the disk tier's folder)."""
+        self.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _fast_device(self, query: torch.Tensor) -> torch.device:
+        opt = self.fast_device_option
+        return query.device if opt == "auto" else torch.device(opt)
+
+    def _ensure_tiers(self, key: torch.Tensor) -> None:
+        if self.slow is not None:
+            return
+        b, hkv, _, d = key.shape
+        self.slow = make_slow_tier(self.slow_kind, b * hkv, d, key.dtype, self.disk_folder)
+        device = self._fast_device(key)
+        self.slots = SlotTier(b * hkv, self.top_k + self.extra, d, key.dtype, device, self.policy)
+
+    # ---- attention -----------------------------------------------------------------------------------
+    def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        self._query = query
+        if ctx.past_len == 0:
+            return []
+        if ctx.q_len > 1 or self.b_k is None:
+            return self._streamed_partials(query, ctx)
+        return self._decode_partials(query, ctx)
+
+    def _streamed_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        """Exact attention over the past read from the slow tier block by block (chunked prefill):
+        the fast tier holds one block at a time, never the whole prompt."""
+        parts = []
+        b, hkv = query.shape[0], self.info.num_kv_heads
+        for start in range(0, ctx.past_len, self.block):
+            stop = min(ctx.past_len, start + self.block)
+            k, v = self.slow.read_range(start, stop)
+            k = k.reshape(b, hkv, stop - start, -1).to(query.device, non_blocking=True)
+            v = v.reshape(b, hkv, stop - start, -1).to(query.device, non_blocking=True)
+            index = torch.arange(start, stop, device=query.device)
+            # query_index masks nothing here (every past token precedes the chunk) but gives the mask
+            # a per-query row, the shape exact_partial expands correctly for q > 1.
+            parts.append(exact_partial(query, k, v, ctx.scaling, key_index=index, pad_len=ctx.pad_len,
+                                       query_index=ctx.new_index if ctx.pad_len is not None else None))
+        return parts
+
+    def _decode_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        past = ctx.past_len
+        win = min(self.window, past)
+        candidates = past - win
+        parts = []
+        self._update_factor_vectors(query)
+        if candidates > 0:
+            parts.append(self._topk_partial(query, ctx, candidates))
+        if win:
+            index = torch.arange(past - win, past, device=query.device)
+            parts.append(exact_partial(query, self.win_k, self.win_v, ctx.scaling, key_index=index,
+                                       pad_len=ctx.pad_len))
+        return parts
+
+    def _update_factor_vectors(self, query: torch.Tensor) -> None:
+        """q̂/k̂ of the new token against the resident tokens, then the bases' line-search step."""
+        b = query.shape[0]
+        f = self.a_k.shape[1]
+        key = self._pending[0]                                        # [B, H_kv, 1, d]
+        q = self._factor_queries(query).reshape(b * f, -1, query.shape[-1])
+        k = self._factor_keys(key).reshape(b * f, -1)
+        res_a, res_k, res_w = self._resident_rows(b, f)
+        q_hat, k_hat = decode_factor_vectors(q, k, self.b_q, self.b_k, resident_factors=res_a,
+                                             resident_keys=res_k, resident_weight=res_w, lam=self.lam)
+        if self.update_bases:
+            self.b_q = line_search_basis_step(self.b_q, q_hat, q)
+            self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
+        self._q_hat = q_hat.reshape(b, f, -1, self.rank)             # [B, F, G/c, r]
+        self._k_hat = k_hat.reshape(b, f, self.rank)
+
+    def _resident_rows(self, b: int, f: int):
+        """A_K rows, keys and weights of the tokens in fast memory (slots + window), per factor head."""
+        slots = self.slots
+        tok = slots.token.reshape(b, -1, slots.capacity)             # [B, H_kv, S]
+        keys = slots.keys.reshape(b, -1, slots.capacity, slots.keys.shape[-1])
+        if self.win_k is not None and self.win_k.shape[2]:
+            n_win = self.win_k.shape[2]
+            win_tok = torch.arange(self.a_len - n_win, self.a_len, device=tok.device)
+            tok = torch.cat([tok, win_tok.expand(tok.shape[0], tok.shape[1], n_win)], dim=2)
+            keys = torch.cat([keys, self.win_k.to(keys.device)], dim=2)
+        tok = self._factor_keys(tok.unsqueeze(-1)).squeeze(-1)      # [B, F, S']
+        keys = self._factor_keys(keys)
+        # Ω = what the paper's fast memory holds: last step's selection and the window. Extra slots
+        # kept by lru/attention are left out so the policy changes data movement, never answers.
+        attended = tok >= 0
+        if self._last_selected is not None:
+            last = slots.selected_index(self._last_selected, _NEVER) != _NEVER
+            last = last.reshape(b, -1, slots.capacity).repeat_interleave(self.copies, dim=1)
+            attended[:, :, : slots.capacity] &= last
+        weight = attended.float()
+        a = torch.gather(self.a_k[:, :, : self.a_len], 2,
+                         tok.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.rank).to(self.a_k.device))
+        return (a.reshape(b * f, -1, self.rank), keys.reshape(b * f, -1, keys.shape[-1]),
+                weight.reshape(b * f, -1))
+
+    def _select(self, ctx: StepContext, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-KV-head top-k of the tokens ``0..candidates-1`` by estimated attention mass."""
+        b, f = self.a_k.shape[:2]
+        hkv = self.info.num_kv_heads
+        a = self.a_k[:, :, :candidates].float()                    # [B, F, n, r]
+        logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling   # [B, F, n, G/c]
+        if ctx.pad_len is not None:
+            pad = torch.arange(candidates, device=a.device)[None, :] < ctx.pad_len.to(a.device)[:, None]
+            logits = logits.masked_fill(pad[:, None, :, None], float("-inf"))
+        mass = torch.softmax(logits, dim=2).nan_to_num(0.0)        # per query head, over candidates
+        mass = mass.reshape(b, hkv, self.copies, candidates, -1).sum(dim=(2, 4))   # [B, H_kv, n]
+        k = min(self.top_k, candidates)
+        top_mass, top_idx = torch.topk(mass, k, dim=-1, sorted=False)
+        return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k)
+
+    def _topk_partial(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> Partial:
+        selected, mass = self._select(ctx, candidates)
+        prefetched = self._take_prefetch()
+        report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
+        self._last_selected = selected
+        self._record(report)
+        if self.prefetch_on:
+            self._start_prefetch(ctx, candidates, selected)
+        if self.measure_recall:
+            self._measure_recall(query, ctx, candidates, selected)
+        return self._slot_partial(query, ctx, selected)
+
+    def _measure_recall(self, query: torch.Tensor, ctx: StepContext, candidates: int,
+                        selected: torch.Tensor) -> None:
+        """Exact attention mass (over the top-k candidates only) that the selection covers, per query
+        head, averaged: how well the proxy scores find the true top-k."""
+        b, hq, _, d = query.shape
+        hkv = self.info.num_kv_heads
+        keys, _ = self.slow.read_range(0, candidates)                # [B·H_kv, n, d]
+        q = query.reshape(b * hkv, hq // hkv, d).float()
+        logits = (q @ keys.to(q.device).float().transpose(-1, -2)) * ctx.scaling   # [B·H_kv, G, n]
+        if ctx.pad_len is not None:
+            pad = torch.arange(candidates, device=q.device)[None, :] < ctx.pad_len.to(q.device)[:, None]
+            logits = logits.masked_fill(pad.repeat_interleave(hkv, 0)[:, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        covered = torch.gather(probs, 2, selected.to(q.device)[:, None, :].expand(-1, hq // hkv, -1)).sum(-1)
+        # The best any per-KV-head selection of the same size can do: the true top-k of the group's mass.
+        best = torch.topk(probs.sum(1), selected.shape[1], dim=-1).indices
+        oracle = torch.gather(probs, 2, best[:, None, :].expand(-1, hq // hkv, -1)).sum(-1)
+        self.counters["recall_sum"] += float(covered.sum())
+        self.counters["oracle_sum"] += float(oracle.sum())
+        self.counters["recall_count"] += covered.numel()
+
+    def _slot_partial(self, query: torch.Tensor, ctx: StepContext, selected: torch.Tensor) -> Partial:
+        """Exact attention over the slots holding the selection; each KV head folded into the batch
+        because every head holds different tokens."""
+        b, hq, q, d = query.shape
+        hkv, slots = self.info.num_kv_heads, self.slots
+        folded_q = query.reshape(b * hkv, hq // hkv, q, d).to(slots.keys.device)
+        key_index = slots.selected_index(selected, _NEVER)          # [B·H_kv, S]
+        pad = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
+        part = exact_partial(folded_q, slots.keys.unsqueeze(1), slots.values.unsqueeze(1), ctx.scaling,
+                             key_index=key_index, query_index=ctx.new_index.to(slots.keys.device),
+                             pad_len=pad)
+        return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
+
+    # ---- prefetch -----------------------------------------------------------------------------------
+    def _start_prefetch(self, ctx: StepContext, candidates: int, selected: torch.Tensor) -> None:
+        """Load, in the background, the best-ranked tokens just outside this step's top-k."""
+        extra = min(self.extra, candidates - selected.shape[1])
+        if extra <= 0:
+            return
+        b, hkv = self.a_k.shape[0], self.info.num_kv_heads
+        mass = self._last_mass_for_prefetch(ctx, candidates)
+        mass.scatter_(1, selected, float("-inf"))
+        nxt = torch.topk(mass, extra, dim=-1).indices                 # [B·H_kv, extra]
+        rows = torch.arange(b * hkv, device=nxt.device)[:, None].expand_as(nxt)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lrqk-prefetch")
+        slow = self.slow
+        self._prefetched = (nxt, self._pool.submit(lambda: slow.gather(rows.reshape(-1), nxt.reshape(-1))))
+
+    def _last_mass_for_prefetch(self, ctx: StepContext, candidates: int) -> torch.Tensor:
+        b = self.a_k.shape[0]
+        hkv = self.info.num_kv_heads
+        a = self.a_k[:, :, :candidates].float()
+        logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling
+        mass = torch.softmax(logits, dim=2).reshape(b, hkv, self.copies, candidates, -1).sum(dim=(2, 4))
+        return mass.reshape(b * hkv, candidates)
+
+    def _take_prefetch(self):
+        if self._prefetched is None:
+            return None
+        tokens, future = self._prefetched
+        self._prefetched = None
+        rows = future.result()
+        self.counters["prefetch_rows"] += tokens.numel()
+        self.counters["prefetch_bytes"] += rows.numel() * rows.element_size()
+        return tokens, rows
+
+    def _drain_prefetch(self) -> None:
+        pending = getattr(self, "_prefetched", None)
+        if pending is not None:
+            pending[1].result()
+        self._prefetched = None
+
+    def _record(self, report) -> None:
+        c = self.counters
+        c["decode_steps"] += 1
+        c["selected_rows"] += report.selected
+        c["missed_rows"] += report.missed
+        c["bytes_moved"] += report.bytes_moved
+        c["prefetch_hits"] += report.prefetch_hits
+        self.step_log.append((report.selected, report.missed, report.bytes_moved))
+
+    # ---- storing -------------------------------------------------------------------------------------
+    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
+        self._ensure_tiers(key)
+        self.slow.append(key, value)
+        self._update_window(key, value)
+        if ctx.q_len > 1 or self.b_k is None:
+            self._accumulate_grams(self._query, key, ctx)
+            self._refit()
+        else:
+            self._append_factors(self._k_hat.to(self.factor_dtype).unsqueeze(2))
+        self._query = None
+        self._k_hat = None
+
+    def _update_window(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.window == 0:
+            return
+        device = self.slots.keys.device
+        k, v = key.to(device), value.to(device)
+        if self.win_k is not None:
+            k = torch.cat([self.win_k, k], dim=2)
+            v = torch.cat([self.win_v, v], dim=2)
+        self.win_k = k[:, :, -self.window:].contiguous()
+        self.win_v = v[:, :, -self.window:].contiguous()
+
+    def _accumulate_grams(self, query: torch.Tensor, key: torch.Tensor, ctx: StepContext) -> None:
+        b, _, q, d = key.shape
+        weight = torch.ones(b, q, device=key.device)
+        if ctx.pad_len is not None:
+            weight = (ctx.new_index.to(key.device)[None, :] >= ctx.pad_len.to(key.device)[:, None]).float()
+        fq = self._factor_queries(query)                             # [B, F, (G/c)·q, d]
+        f = fq.shape[1]
+        q_weight = weight[:, None, None, :].expand(b, f, fq.shape[2] // q, q).reshape(b * f, -1)
+        k_weight = weight[:, None, :].expand(b, f, q).reshape(b * f, q)
+        g_q = gram(fq.reshape(b * f, -1, d), q_weight)
+        g_k = gram(self._factor_keys(key).reshape(b * f, q, d), k_weight)
+        self.gram_q = g_q if self.gram_q is None else self.gram_q + g_q
+        self.gram_k = g_k if self.gram_k is None else self.gram_k + g_k
+
+    def _refit(self) -> None:
+        """Fit the factorization on the Grams so far and recompute every token's key factors."""
+        gen = torch.Generator().manual_seed(self.seed)
+        fit = fit_lowrank_qk(self.gram_q, self.gram_k, self.rank, iters=self.iters, tol=self.tol,
+                             lam=self.lam, generator=gen)
+        self.fit_objective = fit.objective
+        self.b_q, self.b_k = fit.b_q.float(), fit.b_k.float()
+        key_map = fit.key_map.float()
+        self.a_len = 0
+        b = self.win_k.shape[0] if self.win_k is not None else self.slow.rows // self.info.num_kv_heads
+        hkv = self.info.num_kv_heads
+        f = hkv * self.copies
+        for start in range(0, self.slow.length, self.block):
+            stop = min(self.slow.length, start + self.block)
+            k, _ = self.slow.read_range(start, stop)
+            k = self._factor_keys(k.reshape(b, hkv, stop - start, -1).to(self.slots.keys.device).float())
+            factors = key_factors(k.reshape(b * f, stop - start, -1), key_map).reshape(b, f, stop - start, -1)
+            self._append_factors(factors.to(self.factor_dtype))
+
+    def _append_factors(self, factors: torch.Tensor) -> None:
+        """Append ``[B, F, n, r]`` key factors, growing the buffer in blocks."""
+        b, f, n, r = factors.shape
+        need = self.a_len + n
+        if self.a_k is None or need > self.a_k.shape[2]:
+            capacity = -(-need // _FACTOR_BLOCK) * _FACTOR_BLOCK
+            grown = torch.zeros(b, f, capacity, r, dtype=self.factor_dtype, device=factors.device)
+            if self.a_k is not None and self.a_len:
+                grown[:, :, : self.a_len] = self.a_k[:, :, : self.a_len]
+            self.a_k = grown
+        self.a_k[:, :, self.a_len: need] = factors
+        self.a_len = need
+        if self.a_len > 0 and self.counters["decode_steps"] > 0:
+            self.gram_q = self.gram_k = None                          # prefill is over
+
+    # ---- accounting ----------------------------------------------------------------------------------
+    def breakdown(self) -> dict[str, int]:
+        """Fast-tier bytes by part (sums to ``nbytes()``); the slow tier is in ``stats()``."""
+        return {
+            "key_factors": held_bytes([self.a_k]),
+            "bases": held_bytes([self.b_q, self.b_k]),
+            "grams": held_bytes([self.gram_q, self.gram_k]),
+            "slots": self.slots.nbytes() if self.slots is not None else 0,
+            "window": held_bytes([self.win_k, self.win_v]),
+        }
+
+    def nbytes(self) -> int:
+        return sum(self.breakdown().values())
+
+    def slow_tier_bytes(self) -> int:
+        return self.slow.nbytes() if self.slow is not None else 0
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        out = {k: float(v) for k, v in c.items()}
+        out["miss_rate"] = c["missed_rows"] / c["selected_rows"] if c["selected_rows"] else 0.0
+        warm = self.step_log[1:]
+        sel = sum(s for s, _, _ in warm)
+        out["warm_miss_rate"] = sum(m for _, m, _ in warm) / sel if sel else 0.0
+        if c["recall_count"]:
+            out["topk_mass_recall_rate"] = c["recall_sum"] / c["recall_count"]
+            out["topk_mass_oracle_rate"] = c["oracle_sum"] / c["recall_count"]
+        out["fast_tier_bytes"] = float(self.nbytes())
+        out["slow_tier_bytes"] = float(self.slow_tier_bytes())
+        return out
+
+
+def _check_writable(folder: str) -> None:
+    folder = os.fspath(folder)
+    probe = folder
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe or ".") or not os.access(probe or ".", os.W_OK | os.X_OK):
+        raise ValueError(f"lrqk: disk_folder {folder!r} is not a writable folder")
+
+
+def step_report(cache) -> list[dict[str, float]]:
+    """Per decode step, over all layers of an lrqk cache: miss rate, rows and bytes moved."""
+    logs = [layer.step_log for layer in cache.layers]
+    steps = min((len(log) for log in logs), default=0)
+    out = []
+    for i in range(steps):
+        sel = sum(log[i][0] for log in logs)
+        miss = sum(log[i][1] for log in logs)
+        out.append({"step": i, "miss_rate": miss / sel if sel else 0.0, "rows_moved": miss,
+                    "bytes_moved": sum(log[i][2] for log in logs)})
+    return out
+
+
+def close_cache(cache) -> None:
+    """Release every layer's tiers (removes disk-tier folders)."""
+    for layer in cache.layers:
+        if hasattr(layer, "close"):
+            layer.close()
+
+
+def chunked_prefill(model: torch.nn.Module, input_ids: torch.Tensor, cache, chunk: int,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the prompt through ``model`` ``chunk`` tokens at a time with ``cache``; returns the last
+    logits ``[B, vocab]``. Continue with ``model.generate(full_ids, past_key_values=cache, ...)``."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    total = input_ids.shape[1]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    logits = None
+    with torch.no_grad():
+        for start in range(0, total, chunk):
+            stop = min(total, start + chunk)
+            out = model(input_ids=input_ids[:, start:stop], attention_mask=attention_mask[:, :stop],
+                        position_ids=positions[:, start:stop], past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+    return logits

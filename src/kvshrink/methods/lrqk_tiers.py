@@ -1,0 +1,336 @@
+"""The two memory tiers of LRQK: a slow tier with every token's full K/V, a fast tier of slots.
+
+Slow tier (``SlowTier``): rows laid out ``[token, B*H_kv, 2 (K,V), d]`` so appending a token is a
+contiguous write and fetching a set of (head, token) rows is one ``index_select`` on a flat view.
+It lives in host memory (pinned when CUDA is present, so copies to the GPU can be asynchronous) or
+in a memory-mapped file under a folder (``DiskSlowTier``), which is deleted on ``close()``, when
+the tier is garbage collected, and at interpreter exit.
+
+Fast tier (``SlotTier``): ``S`` slots per KV head holding full K/V rows of selected tokens. Each
+decode step hands it the selected tokens per head; tokens already resident are hits, the others are
+misses and only those rows are copied from the slow tier, into the slots chosen by the policy:
+
+- ``set`` (the paper): ``S = top_k``; a missing token takes the slot of a token that left the set.
+- ``lru``: ``S = top_k + extra``; the victims are the least recently selected resident tokens.
+- ``attention``: ``S = top_k + extra``; the victims have the smallest accumulated (estimated)
+  attention mass since they were loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvshrink.cache.store import held_bytes
+
+POLICIES = ("set", "lru", "attention")
+SLOW_TIERS = ("cpu", "disk")
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
+
+
+class SlowTierChanged(RuntimeError):
+    """The file behind a disk slow tier was replaced, resized or overwritten by someone else."""
+
+
+def _grow(capacity: int, needed: int) -> int:
+    """Next capacity: at least ``needed``, growing by a quarter (bounded over-allocation)."""
+    return max(needed, capacity + max(256, capacity // 4))
+
+
+class SlowTier:
+    """Every token's full K and V in host memory, ``[token, rows, 2, d]`` (rows = B*H_kv)."""
+
+    kind = "cpu"
+
+    def __init__(self, rows: int, head_dim: int, dtype: torch.dtype):
+        self.rows = rows
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.length = 0
+        self._data: torch.Tensor | None = None
+
+    # ---- storage ---------------------------------------------------------------------------------
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        pin = torch.cuda.is_available()
+        return torch.empty((capacity, self.rows, 2, self.head_dim), dtype=self.dtype, pin_memory=pin)
+
+    def _reserve(self, needed: int) -> None:
+        capacity = 0 if self._data is None else self._data.shape[0]
+        if needed <= capacity:
+            return
+        data = self._allocate(_grow(capacity, needed))
+        if self.length:
+            data[: self.length].copy_(self._data[: self.length])
+        self._data = data
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._data
+
+    # ---- API -------------------------------------------------------------------------------------
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store tokens ``key/value [B, H_kv, q, d]`` after the ones already held."""
+        b, h, q, d = key.shape
+        self._reserve(self.length + q)
+        rows = torch.stack([key, value], dim=2).reshape(b * h, 2, q, d).permute(2, 0, 1, 3)
+        self.data[self.length: self.length + q].copy_(rows.to(self.dtype))
+        self._after_write(self.length, self.length + q)
+        self.length += q
+
+    def read_range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens ``start..stop-1`` as ``[rows, n, d]`` host tensors."""
+        self._check(start, stop)
+        block = self.data[start:stop].permute(1, 2, 0, 3)              # [rows, 2, n, d]
+        return block[:, 0], block[:, 1]
+
+    def gather(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Rows ``(row[i], token[i])`` as ``[n, 2, d]`` (K and V), a fresh host tensor."""
+        flat = self.data.view(-1, 2, self.head_dim)
+        picked = flat.index_select(0, (token.long() * self.rows + row.long()).cpu())
+        self._check_rows(row, token, picked)
+        return picked
+
+    def nbytes(self) -> int:
+        return held_bytes([self._data])
+
+    def close(self) -> None:
+        self._data = None
+        self.length = 0
+
+    # ---- hooks for the disk tier -----------------------------------------------------------------
+    def _after_write(self, start: int, stop: int) -> None:
+        pass
+
+    def _check(self, start: int, stop: int) -> None:
+        pass
+
+    def _check_rows(self, row: torch.Tensor, token: torch.Tensor, picked: torch.Tensor) -> None:
+        pass
+
+
+def _remove_folder(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class DiskSlowTier(SlowTier):
+    """The slow tier in a memory-mapped file under ``folder``.
+
+    A private temporary folder is created under ``folder`` and removed on ``close()``, on garbage
+    collection and at exit. Changes made by anyone else are detected: the file's inode and size are
+    checked on every read, and each row's checksum (its float64 sum, kept in host memory) is
+    compared on every gather and block read.
+    """
+
+    kind = "disk"
+
+    def __init__(self, rows: int, head_dim: int, dtype: torch.dtype, folder: str | os.PathLike):
+        super().__init__(rows, head_dim, dtype)
+        if dtype not in _NUMPY_DTYPES:
+            raise ValueError(f"LRQK disk tier cannot store {dtype}; allowed: {sorted(map(str, _NUMPY_DTYPES))}")
+        folder = os.fspath(folder)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            self.folder = tempfile.mkdtemp(prefix="kvshrink-lrqk-", dir=folder)
+        except OSError as err:
+            raise ValueError(f"LRQK slow_tier='disk': cannot create a folder under {folder!r}: {err}") from err
+        self.path = os.path.join(self.folder, "kv.bin")
+        self._finalizer = weakref.finalize(self, _remove_folder, self.folder)
+        self._memmap: np.memmap | None = None
+        self._identity: tuple[int, int] | None = None
+        self._checksums = torch.zeros(0, rows, dtype=torch.float64)
+
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        row_bytes = self.rows * 2 * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        if self._memmap is not None:
+            self._memmap.flush()
+        with open(self.path, "ab") as fh:
+            fh.truncate(capacity * row_bytes)
+        self._memmap = np.memmap(self.path, dtype=_NUMPY_DTYPES[self.dtype], mode="r+",
+                                 shape=(capacity, self.rows, 2, self.head_dim))
+        st = os.stat(self.path)
+        self._identity = (st.st_ino, st.st_size)
+        checks = torch.zeros(capacity, self.rows, dtype=torch.float64)
+        checks[: self.length] = self._checksums[: self.length]
+        self._checksums = checks
+        return torch.from_numpy(self._memmap)
+
+    def _reserve(self, needed: int) -> None:
+        capacity = 0 if self._data is None else self._data.shape[0]
+        if needed <= capacity:
+            return
+        if self._data is not None:
+            self._check(0, 0)
+        # The file grows in place (truncate keeps the bytes), then it is mapped again.
+        self._data = None
+        self._data = self._allocate(_grow(capacity, needed))
+
+    def _after_write(self, start: int, stop: int) -> None:
+        self._checksums[start:stop] = self.data[start:stop].double().sum((-1, -2))
+
+    def _check(self, start: int, stop: int) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError as err:
+            raise SlowTierChanged(f"LRQK disk tier file {self.path} disappeared: {err}") from err
+        if (st.st_ino, st.st_size) != self._identity:
+            raise SlowTierChanged(f"LRQK disk tier file {self.path} was replaced or resized under the cache")
+        if stop > start:
+            sums = self.data[start:stop].double().sum((-1, -2))
+            if not torch.equal(sums, self._checksums[start:stop]):
+                raise SlowTierChanged(f"LRQK disk tier file {self.path} was modified under the cache")
+
+    def _check_rows(self, row: torch.Tensor, token: torch.Tensor, picked: torch.Tensor) -> None:
+        self._check(0, 0)
+        expected = self._checksums[token.long().cpu(), row.long().cpu()]
+        if not torch.equal(picked.double().sum((-1, -2)), expected):
+            raise SlowTierChanged(f"LRQK disk tier file {self.path} was modified under the cache")
+
+    def nbytes(self) -> int:
+        """Bytes on disk plus the host-side checksums."""
+        disk = 0 if self._data is None else self._data.numel() * self._data.element_size()
+        return disk + held_bytes([self._checksums])
+
+    def close(self) -> None:
+        self._data = None
+        self._memmap = None
+        self.length = 0
+        self._finalizer()
+
+
+def make_slow_tier(kind: str, rows: int, head_dim: int, dtype: torch.dtype,
+                   folder: str | os.PathLike | None) -> SlowTier:
+    if kind == "cpu":
+        return SlowTier(rows, head_dim, dtype)
+    if kind == "disk":
+        if folder is None:
+            raise ValueError("LRQK slow_tier='disk' needs a folder: pass disk_folder=<path>")
+        return DiskSlowTier(rows, head_dim, dtype, folder)
+    raise ValueError(f"LRQK slow_tier must be one of {SLOW_TIERS}, got {kind!r}")
+
+
+@dataclass
+class FillReport:
+    """What one ``SlotTier.select`` did: per-row counts (rows = B*H_kv)."""
+
+    selected: int   # selected tokens over all rows
+    missed: int     # of those, not resident before: slots replaced
+    bytes_moved: int  # bytes copied from the slow tier on the critical path
+    prefetch_hits: int = 0  # missed tokens found in the background-prefetched rows
+
+
+class SlotTier:
+    """``capacity`` slots per row (row = one KV head of one batch row) of full K/V in fast memory."""
+
+    def __init__(self, rows: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, policy: str):
+        if policy not in POLICIES:
+            raise ValueError(f"LRQK policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.rows = rows
+        self.capacity = capacity
+        self.keys = torch.zeros(rows, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.token = torch.full((rows, capacity), -1, dtype=torch.long, device=device)
+        # Policy state: step of last selection (lru) or accumulated estimated mass (attention).
+        self.score = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
+        self.step = 0
+
+    def select(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
+               prefetched: tuple[torch.Tensor, torch.Tensor] | None = None) -> FillReport:
+        """Make the tokens ``selected [rows, k]`` resident, copying only the missing rows.
+
+        ``mass`` ``[rows, k]``: estimated attention mass of the selected tokens (``attention`` policy).
+        ``prefetched``: ``(tokens [rows, e], kv [rows*e, 2, d])`` loaded in the background last step;
+        a missing token found there is installed from it instead of a blocking slow-tier read.
+        """
+        self.step += 1
+        rows, k = selected.shape
+        if k > self.capacity:
+            raise ValueError(f"LRQK: {k} selected tokens do not fit {self.capacity} slots")
+        selected = selected.to(self.token.device)
+        hit_sel = _member(selected, self.token)            # [rows, k] selected and resident
+        stays = _member(self.token, selected)              # [rows, S] resident and selected
+        missing_per_row = (~hit_sel).sum(1)                # [rows]
+        # Eviction order: empty slots first, then by policy value; selected residents never move.
+        priority = self.score.clone()
+        priority[self.token < 0] = float("-inf")
+        priority[stays] = float("inf")
+        slot_order = torch.argsort(priority, dim=1, stable=True)
+        token_order = torch.argsort(hit_sel.to(torch.int8), dim=1, stable=True)  # missing first
+        take = torch.arange(k, device=selected.device)[None, :] < missing_per_row[:, None]
+        row_idx = torch.arange(rows, device=selected.device)[:, None].expand(rows, k)[take]
+        dest = slot_order[:, :k][take]
+        tokens = torch.gather(selected, 1, token_order)[take]
+        moved = 0
+        prefetch_hits = 0
+        if tokens.numel():
+            fill = torch.empty(tokens.numel(), 2, self.keys.shape[-1], dtype=slow.dtype)
+            from_slow = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
+            if prefetched is not None:
+                pf_tokens, pf_rows = prefetched
+                pf_tokens = pf_tokens.to(selected.device)
+                found, pos = _position(torch.gather(selected, 1, token_order), pf_tokens)
+                found, pos = found[take], pos[take]
+                if bool(found.any()):
+                    src = row_idx[found] * pf_tokens.shape[1] + pos[found]
+                    fill[found.cpu()] = pf_rows.index_select(0, src.cpu())
+                    from_slow = ~found
+                    prefetch_hits = int(found.sum())
+            if bool(from_slow.any()):
+                loaded = slow.gather(row_idx[from_slow], tokens[from_slow])
+                fill[from_slow.cpu()] = loaded
+                moved = loaded.numel() * loaded.element_size()
+            fill = fill.to(self.keys.device, non_blocking=True)
+            flat = row_idx * self.capacity + dest
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0].to(self.keys.dtype))
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1].to(self.values.dtype))
+            self.token.view(-1).index_copy_(0, flat, tokens)
+            self.score.view(-1).index_fill_(0, flat, 0.0)
+        self._update_policy_state(selected, mass)
+        return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved,
+                          prefetch_hits=prefetch_hits)
+
+    def _update_policy_state(self, selected: torch.Tensor, mass: torch.Tensor | None) -> None:
+        chosen = _member(self.token, selected)
+        if self.policy == "lru":
+            self.score[chosen] = float(self.step)
+        elif self.policy == "attention" and mass is not None:
+            # Scatter the selected tokens' mass onto their slots (matching by token id).
+            order = torch.argsort(selected, dim=1)
+            sorted_sel = torch.gather(selected, 1, order)
+            pos = torch.searchsorted(sorted_sel, self.token.clamp_min(0)).clamp_max(selected.shape[1] - 1)
+            slot_mass = torch.gather(torch.gather(mass.float(), 1, order), 1, pos)
+            self.score += torch.where(chosen, slot_mass, torch.zeros_like(slot_mass))
+
+    def selected_index(self, selected: torch.Tensor, never: int) -> torch.Tensor:
+        """Token index per slot for attention masking: the token if selected, else ``never``."""
+        chosen = _member(self.token, selected.to(self.token.device))
+        return torch.where(chosen, self.token, torch.full_like(self.token, never))
+
+    def nbytes(self) -> int:
+        return held_bytes([self.keys, self.values, self.token, self.score])
+
+
+def _member(x: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Row-wise membership: ``out[i, j] = x[i, j] in pool[i]`` (negative ids are never members)."""
+    if pool.shape[1] == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    sorted_pool = torch.sort(pool, dim=1).values
+    pos = torch.searchsorted(sorted_pool, x).clamp_max(pool.shape[1] - 1)
+    return (torch.gather(sorted_pool, 1, pos) == x) & (x >= 0)
+
+
+def _position(x: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise ``(found, index)``: whether ``x[i, j]`` is in ``pool[i]`` and at which column."""
+    order = torch.argsort(pool, dim=1)
+    sorted_pool = torch.gather(pool, 1, order)
+    pos = torch.searchsorted(sorted_pool, x).clamp_max(pool.shape[1] - 1)
+    found = (torch.gather(sorted_pool, 1, pos) == x) & (x >= 0)
+    return found, torch.gather(order, 1, pos)
