@@ -108,7 +108,7 @@ def test_short_prompt_stays_exact_and_bytes_add_up():
 
 def test_bytes_count_every_tensor():
     model = tiny_llama()
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0)
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, pca_scope="layer")
     ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[1]
