@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 PCA_BITS = (0, 2, 4, 6, 8)
-_SCALE_MULTIPLIERS = (0.6, 0.75, 0.9, 1.0, 1.15, 1.35, 1.6)
+_SCALE_MULTIPLIERS = (0.7, 0.85, 1.0, 1.2, 1.45)
 
 
 @dataclass
@@ -192,7 +192,14 @@ def _quantize_unit(z: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
         qmax = (1 << (bits - 1)) - 1
         return torch.clamp(torch.round(z), -qmax, qmax).long() + qmax
     levels = unit_levels(bits, kind, z.device)
-    return torch.bucketize(z.contiguous(), (levels[1:] + levels[:-1]) / 2)
+    bounds = (levels[1:] + levels[:-1]) / 2
+    if bits > 4:
+        return torch.bucketize(z.contiguous(), bounds)
+    # Few boundaries: counting the ones below is faster than a binary search on CPU.
+    codes = torch.zeros(z.shape, dtype=torch.uint8, device=z.device)
+    for b in bounds.tolist():
+        codes += z > b
+    return codes.long()
 
 
 def quantize_basis(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +273,7 @@ class PCACode:
 
 
 def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels: str,
-                sample: int = 4096) -> torch.Tensor:
+                sample: int = 1024) -> torch.Tensor:
     """Per component, the multiple of ``base_step`` with the least squared error on a row sample."""
     rows = coeffs.reshape(-1, coeffs.shape[-1])
     if rows.shape[0] > sample:
