@@ -76,7 +76,7 @@ _SCORE_ELEMENTS = 1 << 22
 class ShardConfig:
     sinks: int = 4
     window: int = 64
-    key_bits: float = 2.0
+    key_bits: float = 2.5
     v_group: int = 4
     v_codebook: int = 256
     v_fit: str = "gaussian"
@@ -145,7 +145,7 @@ class ShardConfig:
 OPTIONS = {
     "sinks": Option(4, "first tokens kept exact (attention sinks)"),
     "window": Option(64, "most recent tokens kept exact (>= 0)"),
-    "key_bits": Option(2.0, "bits per key element for the compressed middle (PCA coefficients), in (0, 8]"),
+    "key_bits": Option(2.5, "bits per key element for the compressed middle (PCA coefficients), in (0, 8]"),
     "v_group": Option(4, "channels per value VQ group (must divide the head size)"),
     "v_codebook": Option(256, "value VQ codebook entries (power of two, 2..256)"),
     "v_fit": Option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
