@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--depths", default="0.25,0.75")
     ap.add_argument("--parts", default="recall,niah,policies")
+    ap.add_argument("--slot-dtype", default="model")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
     model, tok = kvshrink.load_model()
@@ -83,7 +84,8 @@ def main() -> None:
     if "niah" in parts:
         for (ids, number), depth in zip(prompts, depths):
             ref, ms_full, fc = generate_timed(model, ids, "full", args.new)
-            got, ms_lrqk, lc = generate_timed(model, ids, "lrqk", args.new, top_k=args.top_k)
+            got, ms_lrqk, lc = generate_timed(model, ids, "lrqk", args.new, top_k=args.top_k,
+                                              slot_dtype=args.slot_dtype)
             a_ref, a_got = tok.decode(ref), tok.decode(got)
             agree = float((ref == got).float().mean())
             s = lc.stats()

@@ -63,6 +63,9 @@ OPTIONS = {
     "prefill_chunk": Option(None, "block of past tokens read at once by chunked-prefill attention", type=int),
     "factor_heads": Option("kv", "key factors per KV head (kv) or per query head (query)", choices=FACTOR_HEADS),
     "factor_dtype": Option("float16", "dtype of the stored key factors", choices=tuple(_FACTOR_DTYPES)),
+    "slot_dtype": Option("model", "dtype of the K/V rows in fast memory (slots, window): model or "
+                                  "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
+                         choices=("model", *_FACTOR_DTYPES)),
     "update_bases": Option(True, "take the line-search step on the bases at each decode step"),
     "seed": Option(0, "seed of the random initialisation of the factorization"),
     "measure_recall": Option(False, "diagnostic: record the exact attention mass the top-k captures "
@@ -96,7 +99,8 @@ class LRQKLayer(CacheLayer):
                  iters: int = 2, tol: float = 1e-2, lam: float = 1.0, fast_device: str = "auto",
                  slow_tier: str = "cpu", disk_folder: str | None = None, policy: str = "set",
                  extra_slots: int | None = None, prefetch: bool = False, prefill_chunk: int | None = None,
-                 factor_heads: str = "kv", factor_dtype: str = "float16", update_bases: bool = True,
+                 factor_heads: str = "kv", factor_dtype: str = "float16", slot_dtype: str = "model",
+                 update_bases: bool = True,
                  seed: int = 0, measure_recall: bool = False):
         super().__init__(spec)
         _validate(self.info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk)
@@ -109,11 +113,14 @@ class LRQKLayer(CacheLayer):
         self.fast_device_option = fast_device
         self.slow_kind, self.disk_folder = slow_tier, disk_folder
         self.policy, self.prefetch_on = policy, prefetch
-        needs_extra = policy != "set" or prefetch
-        self.extra = (extra_slots if extra_slots is not None else top_k // 4) if needs_extra else 0
+        # lru/attention keep `extra` rows beyond the selection in slots; prefetch stages `extra` rows
+        # outside the slots, so `set` keeps exactly top_k slots with or without prefetch.
+        self.extra = extra_slots if extra_slots is not None else top_k // 4
+        self.slot_extra = self.extra if policy != "set" else 0
         self.block = prefill_chunk or 1024
         self.per_query_head = factor_heads == "query"
         self.factor_dtype = _FACTOR_DTYPES[factor_dtype]
+        self.slot_dtype = None if slot_dtype == "model" else _FACTOR_DTYPES[slot_dtype]
         self.update_bases = update_bases
         self.seed = seed + 1000 * self.layer_idx
         self.measure_recall = measure_recall
@@ -152,7 +159,6 @@ class LRQKLayer(CacheLayer):
         self._query: torch.Tensor | None = None
         self._k_hat: torch.Tensor | None = None
         self._prefetched = None
-        self._last_selected: torch.Tensor | None = None
         self.counters = {"decode_steps": 0, "selected_rows": 0, "missed_rows": 0, "bytes_moved": 0,
                          "prefetch_rows": 0, "prefetch_hits": 0, "prefetch_bytes": 0,
                          "recall_sum": 0.0, "oracle_sum": 0.0, "recall_count": 0}
@@ -175,7 +181,8 @@ class LRQKLayer(CacheLayer):
         b, hkv, _, d = key.shape
         self.slow = make_slow_tier(self.slow_kind, b * hkv, d, key.dtype, self.disk_folder)
         device = self._fast_device(key)
-        self.slots = SlotTier(b * hkv, self.top_k + self.extra, d, key.dtype, device, self.policy)
+        self.slots = SlotTier(b * hkv, self.top_k + self.slot_extra, d, self.slot_dtype or key.dtype, device,
+                              self.policy)
 
     # ---- attention -----------------------------------------------------------------------------------
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
@@ -248,10 +255,8 @@ class LRQKLayer(CacheLayer):
         # Ω = what the paper's fast memory holds: last step's selection and the window. Extra slots
         # kept by lru/attention are left out so the policy changes data movement, never answers.
         attended = tok >= 0
-        if self._last_selected is not None:
-            last = slots.selected_index(self._last_selected, _NEVER) != _NEVER
-            last = last.reshape(b, -1, slots.capacity).repeat_interleave(self.copies, dim=1)
-            attended[:, :, : slots.capacity] &= last
+        last = slots.chosen.reshape(b, -1, slots.capacity)        # last step's selection
+        attended[:, :, : slots.capacity] &= last.repeat_interleave(self.copies, dim=1) if self.copies > 1 else last
         weight = attended.float()
         a = torch.gather(self.a_k[:, :, : self.a_len], 2,
                          tok.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.rank).to(self.a_k.device))
@@ -277,7 +282,6 @@ class LRQKLayer(CacheLayer):
         selected, mass = self._select(ctx, candidates)
         prefetched = self._take_prefetch()
         report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
-        self._last_selected = selected
         self._record(report)
         if self.prefetch_on:
             self._start_prefetch(ctx, candidates, selected)
@@ -312,7 +316,7 @@ class LRQKLayer(CacheLayer):
         b, hq, q, d = query.shape
         hkv, slots = self.info.num_kv_heads, self.slots
         folded_q = query.reshape(b * hkv, hq // hkv, q, d).to(slots.keys.device)
-        key_index = slots.selected_index(selected, _NEVER)          # [B·H_kv, S]
+        key_index = slots.selected_index(_NEVER)                    # [B·H_kv, S]
         pad = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
         part = exact_partial(folded_q, slots.keys.unsqueeze(1), slots.values.unsqueeze(1), ctx.scaling,
                              key_index=key_index, query_index=ctx.new_index.to(slots.keys.device),
@@ -384,8 +388,8 @@ class LRQKLayer(CacheLayer):
     def _update_window(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.window == 0:
             return
-        device = self.slots.keys.device
-        k, v = key.to(device), value.to(device)
+        device, dtype = self.slots.keys.device, self.slots.keys.dtype
+        k, v = key.to(device, dtype), value.to(device, dtype)
         if self.win_k is not None:
             k = torch.cat([self.win_k, k], dim=2)
             v = torch.cat([self.win_v, v], dim=2)

@@ -240,6 +240,8 @@ class SlotTier:
         self.token = torch.full((rows, capacity), -1, dtype=torch.long, device=device)
         # Policy state: step of last selection (lru) or accumulated estimated mass (attention).
         self.score = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
+        # Slots holding the latest selection (what attention reads this step).
+        self.chosen = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
         self.step = 0
 
     def select(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
@@ -293,12 +295,13 @@ class SlotTier:
             self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1].to(self.values.dtype))
             self.token.view(-1).index_copy_(0, flat, tokens)
             self.score.view(-1).index_fill_(0, flat, 0.0)
+        self.chosen = _member(self.token, selected)
         self._update_policy_state(selected, mass)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved,
                           prefetch_hits=prefetch_hits)
 
     def _update_policy_state(self, selected: torch.Tensor, mass: torch.Tensor | None) -> None:
-        chosen = _member(self.token, selected)
+        chosen = self.chosen
         if self.policy == "lru":
             self.score[chosen] = float(self.step)
         elif self.policy == "attention" and mass is not None:
@@ -309,13 +312,13 @@ class SlotTier:
             slot_mass = torch.gather(torch.gather(mass.float(), 1, order), 1, pos)
             self.score += torch.where(chosen, slot_mass, torch.zeros_like(slot_mass))
 
-    def selected_index(self, selected: torch.Tensor, never: int) -> torch.Tensor:
-        """Token index per slot for attention masking: the token if selected, else ``never``."""
-        chosen = _member(self.token, selected.to(self.token.device))
-        return torch.where(chosen, self.token, torch.full_like(self.token, never))
+    def selected_index(self, never: int) -> torch.Tensor:
+        """Token index per slot for attention masking: the token if in the latest selection, else
+        ``never``."""
+        return torch.where(self.chosen, self.token, torch.full_like(self.token, never))
 
     def nbytes(self) -> int:
-        return held_bytes([self.keys, self.values, self.token, self.score])
+        return held_bytes([self.keys, self.values, self.token, self.score, self.chosen])
 
 
 def _member(x: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
