@@ -92,9 +92,45 @@ def exact_partial(
     padding and causality (see :func:`visibility_mask`). With ``return_probs`` the attention
     probabilities ``[B, H_q, q, n]`` (normalised within this part) are returned too.
     """
+    mask = visibility_mask(key_index, key.shape[2], query_index, pad_len, query.device)
+    if not return_probs and _cpu_flash_available(query):
+        return _flash_partial(query, key, value, scaling, mask)
+    return _matmul_partial(query, key, value, scaling, mask, return_probs)
+
+
+def _cpu_flash_available(query: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _grouped_mask(mask: torch.Tensor, groups: int, q: int) -> torch.Tensor:
+    """Query-row mask ``[B|1, 1, q|1, n]`` -> ``[B|1, 1, G*q, n]`` for grouped queries."""
+    return mask.expand(mask.shape[0], 1, q, mask.shape[3]).repeat(1, 1, groups, 1)
+
+
+def _flash_partial(query, key, value, scaling, mask) -> Partial:
+    """The CPU flash kernel, which also returns the log-sum-exp, on queries grouped per KV head."""
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    qg = group_queries(query, hkv)
+    k, v = key.to(qg.dtype), value.to(qg.dtype)
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~mask, float("-inf"))
+        bias = _grouped_mask(bias, hq // hkv, q)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, attn_mask=bias,
+                                                                          scale=scaling)
+    out, lse = out.float(), lse.float()
+    empty = ~torch.isfinite(lse)
+    if bool(empty.any()):  # rows that see no token: empty softmax, contributes nothing when merged
+        out = out.masked_fill(empty[..., None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
+    return Partial(ungroup(out, hq), ungroup(lse, hq))
+
+
+def _matmul_partial(query, key, value, scaling, mask, return_probs):
+    """Plain-matmul attention (any device), blocked over query rows to bound memory."""
     b, hq, q, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
-    mask = visibility_mask(key_index, n, query_index, pad_len, query.device)
     qg = group_queries(query.float(), hkv)  # [B, Hkv, G*q, d]
     k = key.float()
     v = value.float()
@@ -107,8 +143,7 @@ def exact_partial(
         scores = torch.matmul(qb, k.transpose(-1, -2)) * scaling  # [B, Hkv, G*qb, n]
         if mask is not None:
             mb = mask[:, :, start:stop] if mask.shape[2] > 1 else mask
-            mb = mb.unsqueeze(2).expand(mb.shape[0], 1, g, mb.shape[2], n).reshape(mb.shape[0], 1, -1, n)
-            scores = scores.masked_fill(~mb, float("-inf"))
+            scores = scores.masked_fill(~_grouped_mask(mb, g, stop - start), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0))
         outs.append(torch.matmul(p, v).reshape(b, hkv, g, stop - start, d))

@@ -149,12 +149,19 @@ class CacheLayer(CacheLayerMixin):
         if not parts and ctx.q_len > 1:
             out = causal_chunk_attention(query, key, value, ctx.scaling, ctx.pad_len).float()
         else:
-            parts.append(exact_partial(query, key, value, ctx.scaling, key_index=ctx.new_index,
-                                       query_index=ctx.new_index, pad_len=ctx.pad_len))
+            parts.append(self._chunk_partial(query, key, value, ctx))
             out = merge_partials(parts).out
         self._pending = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def _chunk_partial(query, key, value, ctx: StepContext) -> Partial:
+        """Exact causal attention of the new tokens over themselves."""
+        if ctx.q_len == 1:  # a lone new token sees exactly itself: no mask to build
+            return exact_partial(query, key, value, ctx.scaling)
+        return exact_partial(query, key, value, ctx.scaling, key_index=ctx.new_index, query_index=ctx.new_index,
+                             pad_len=ctx.pad_len)
 
     def get_seq_length(self) -> int:
         return self.seen

@@ -14,19 +14,23 @@ from kvshrink.cache.store import ExactStore, partial_or_none
 
 def sinks_and_window(index: torch.Tensor, pad_len: torch.Tensor | None, sinks: int, window: int,
                      seen: int) -> torch.Tensor | None:
-    """Store positions ``[B, sinks+window]`` to keep, or None while nothing needs evicting.
+    """Store positions ``[B, sinks+window]`` to keep, or None while no row needs evicting.
 
-    ``index`` is the ``[B, n]`` token index of each stored token (ascending per row). Rows evict
-    together, once every row has more than ``sinks`` real tokens before its window.
+    ``index`` is the ``[B, n]`` token index of each stored token (ascending per row). A row evicts once
+    it has seen more than ``sinks + window`` real tokens, exactly as it would alone; a row that has
+    not keeps its last ``sinks + window`` stored tokens (all its real tokens, padded with padding).
     """
     b, n = index.shape
+    budget = sinks + window
     pad = pad_len if pad_len is not None else torch.zeros(b, dtype=torch.long, device=index.device)
-    if n <= sinks + window or seen - window < int(pad.max()) + sinks:
+    evicting = (seen - pad) > budget
+    if n <= budget or not bool(evicting.any()):
         return None
     first_real = (index < pad[:, None]).sum(dim=1)  # store position of each row's first real token
     sink_pos = first_real[:, None] + torch.arange(sinks, device=index.device)[None, :]
     window_pos = torch.arange(n - window, n, device=index.device).expand(b, window)
-    return torch.cat([sink_pos, window_pos], dim=1)
+    tail_pos = torch.arange(n - budget, n, device=index.device).expand(b, budget)
+    return torch.where(evicting[:, None], torch.cat([sink_pos, window_pos], dim=1), tail_pos)
 
 
 @register_method(

@@ -1,0 +1,45 @@
+"""Rotary position embedding (rotate-half convention, as Llama / Qwen2 / Mistral in transformers).
+
+`apply_rope` rotates each pair of channels ``(i, i + d/2)`` by the angle of its frequency at the
+token's position; `undo_rope` applies the inverse rotation, so ``undo_rope(apply_rope(x)) == x`` up to
+float rounding (the rotation is orthogonal; no information is lost).
+
+``cos`` / ``sin`` are what the model's rotary embedding returns: ``[B, T, d]`` (broadcast over heads)
+or already ``[B, 1, T, d]`` / anything broadcastable to ``x``. Both halves of ``cos`` / ``sin`` must be
+equal (``cat(freqs, freqs)``), which is how transformers builds them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rotate_half", "apply_rope", "undo_rope"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[a, b] -> [-b, a]`` along the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _broadcastable(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    # transformers gives [B, T, d]; keys are [B, H, T, d]: insert the head axis.
+    if t.dim() == x.dim() - 1 and x.dim() >= 3:
+        t = t.unsqueeze(-3)
+    return t.to(dtype=x.dtype, device=x.device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[..., T, d]``) to its positions: ``x*cos + rotate_half(x)*sin``."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"RoPE needs an even head size, got {x.shape[-1]}")
+    cos, sin = _broadcastable(x, cos), _broadcastable(x, sin)
+    return x * cos + rotate_half(x) * sin
+
+
+def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of `apply_rope` (rotation by the negative angle): ``x*cos - rotate_half(x)*sin``."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"RoPE needs an even head size, got {x.shape[-1]}")
+    cos, sin = _broadcastable(x, cos), _broadcastable(x, sin)
+    return x * cos - rotate_half(x) * sin

@@ -1,0 +1,57 @@
+"""The harness's only contact with the rest of kvshrink: load a model, parse a method spec, build a
+cache, read a cache's figures. Tests may pass another backend with the same four methods."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class KVShrinkBackend:
+    """Methods come from kvshrink's registry, so any registered method spec works."""
+
+    def __init__(self, model_ref: str | None = None):
+        self.model_ref = model_ref
+
+    def load_model(self):
+        import kvshrink
+
+        return kvshrink.load_model(self.model_ref) if self.model_ref else kvshrink.load_model()
+
+    def parse(self, spec: str) -> tuple[str, dict[str, Any]]:
+        import kvshrink
+
+        name, options = kvshrink.parse_method_spec(spec)
+        known = kvshrink.methods()
+        if name not in known:
+            raise ValueError(f"unknown method {name!r} in {spec!r}; registered methods: {', '.join(sorted(known))}")
+        return name, options
+
+    def make_cache(self, spec: str, model):
+        import kvshrink
+
+        name, options = self.parse(spec)
+        return kvshrink.make_cache(name, model, **options)
+
+
+def cache_figures(cache) -> dict[str, Any]:
+    """Bytes and method metrics of a cache after a run (the kvshrink cache interface)."""
+    nbytes = int(cache.nbytes())
+    fp16 = int(cache.fp16_nbytes())
+    return {
+        "nbytes": nbytes,
+        "fp16_nbytes": fp16,
+        "ratio": float(cache.compression_ratio()),
+        "breakdown": {k: int(v) for k, v in dict(cache.breakdown()).items()},
+        "stats": _jsonable(dict(cache.stats() or {})),
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 2)() == 1:
+        return value.item()
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,212 @@
+"""Running a suite: build the samples once, run every method spec on each, write rows as they finish."""
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from . import cost as cost_task
+from .backend import KVShrinkBackend, cache_figures
+from .engine import eos_token_ids, greedy_decode, score_continuation
+from .results import RowWriter, now, prompt_digest, read_rows, row_key
+from .scoring import perplexity, score_answer, token_agreement
+from .suites import Suite
+from .tasks import Builder, Sample
+
+REFERENCE = "full"
+ANSWER_CHARS = 300
+
+
+@dataclass
+class RunOptions:
+    seed: int = 0
+    max_new_tokens: int | None = None  # NIAH/RULER answer budget override
+    limit: int | None = None           # at most this many samples per task
+    threads: int | None = None
+    model_ref: str | None = None
+    progress: bool = True
+
+
+def with_reference(specs: list[str]) -> list[str]:
+    """``full`` first (every ratio and the agreement are taken against it), no duplicates."""
+    ordered = [REFERENCE] + [s for s in specs if s != REFERENCE]
+    return list(dict.fromkeys(ordered))
+
+
+def build_samples(builder: Builder, suite: Suite, limit: int | None, progress: bool) -> list[Sample]:
+    jobs = []
+    for task, plan in suite.tasks.items():
+        task_jobs = []
+        for length in plan.lengths:
+            for index in range(plan.samples):
+                if task == "niah":
+                    task_jobs += [(builder.niah, (length, d, index)) for d in plan.depths]
+                elif task == "ruler":
+                    task_jobs += [(builder.ruler, (st, length, index)) for st in plan.subtasks]
+                elif task == "ppl":
+                    task_jobs.append((builder.ppl, (length, index)))
+                elif task == "agreement":
+                    task_jobs += [(builder.agreement, (dom, length, index)) for dom in plan.subtasks]
+        jobs += task_jobs[:limit] if limit else task_jobs
+    samples = []
+    for fn, args in tqdm(jobs, desc="building prompts", disable=not progress or not jobs, file=sys.stderr):
+        sample = fn(*args)
+        if task_new_tokens := _agreement_tokens(suite, sample):
+            sample.max_new_tokens = task_new_tokens
+        samples.append(sample)
+    return samples
+
+
+def _agreement_tokens(suite: Suite, sample: Sample) -> int | None:
+    if sample.task == "agreement":
+        return suite.tasks["agreement"].new_tokens
+    return None
+
+
+def check_context(samples: list[Sample], suite: Suite, max_positions: int | None) -> None:
+    """A clear error before any work when a prompt plus its answer would not fit the model."""
+    if not max_positions:
+        return
+    for s in samples:
+        if s.positions_needed > max_positions:
+            extra = s.positions_needed - len(s.input_ids)
+            raise ValueError(
+                f"{s.task} at length {s.length} needs {s.positions_needed} positions ({extra} for the "
+                f"answer/scored tokens) but the model has {max_positions}; use lengths up to "
+                f"{max_positions - extra}"
+            )
+    cost = suite.tasks.get("cost")
+    if cost:
+        for length in cost.lengths:
+            if length + (cost.new_tokens or 0) > max_positions:
+                raise ValueError(f"cost at length {length} plus {cost.new_tokens} decoded tokens exceeds "
+                                 f"the model's {max_positions} positions")
+
+
+class Runner:
+    def __init__(self, out_dir: str, specs: list[str], suite: Suite, options: RunOptions,
+                 backend=None, model=None, tokenizer=None):
+        self.out_dir = out_dir
+        self.specs = with_reference(specs)
+        self.suite = suite
+        self.opt = options
+        self.backend = backend or KVShrinkBackend(options.model_ref)
+        self.model, self.tok = model, tokenizer
+        self.writer = RowWriter(out_dir)
+        self.methods = {spec: self.backend.parse(spec) for spec in self.specs}  # unknown method -> error
+
+    # -- setup -----------------------------------------------------------------------------------
+    def load(self) -> None:
+        if self.model is None:
+            self.model, self.tok = self.backend.load_model()
+        self.model.eval()
+        for spec in self.specs:  # unknown options fail here, before any long work
+            self.backend.make_cache(spec, self.model)
+
+    def samples(self) -> list[Sample]:
+        builder = Builder(self.tok, self.opt.seed, self.opt.max_new_tokens,
+                          ppl_tokens=self.suite.ppl_tokens)
+        samples = build_samples(builder, self.suite, self.opt.limit, self.opt.progress)
+        check_context(samples, self.suite, getattr(self.model.config, "max_position_embeddings", None))
+        return samples
+
+    # -- quality tasks ---------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run what is not in the folder yet; returns the number of new rows."""
+        import torch
+
+        if self.opt.threads:
+            torch.set_num_threads(self.opt.threads)
+        self.load()
+        samples = self.samples()
+        done = {row_key(r): r for r in read_rows(self.out_dir)}
+        todo = []
+        for s in samples:
+            digest = prompt_digest(s.input_ids, s.target_ids)
+            for spec in self.specs:
+                if (spec, s.task, s.subtask, s.length, s.depth, s.index, digest) not in done:
+                    todo.append((s, spec, digest))
+        written = 0
+        stop = eos_token_ids(self.model, self.tok)
+        bar = tqdm(todo, desc="evaluating", unit="run", disable=not self.opt.progress, file=sys.stderr)
+        for s, spec, digest in bar:
+            bar.set_postfix_str(f"{spec} {s.task}/{s.subtask} L={s.length}", refresh=False)
+            reference = done.get((REFERENCE, s.task, s.subtask, s.length, s.depth, s.index, digest))
+            row = self.run_one(s, spec, digest, reference, stop)
+            self.writer.write(row)
+            done[row_key(row)] = row
+            written += 1
+        if "cost" in self.suite.tasks:
+            written += self.run_cost(done)
+        return written
+
+    def base_row(self, spec: str, task: str, subtask: str, length: int, depth, index, digest) -> dict:
+        name, options = self.methods[spec]
+        return {"spec": spec, "method": name, "options": options, "task": task, "subtask": subtask,
+                "length": length, "depth": depth, "sample": index, "seed": self.opt.seed,
+                "prompt_sha": digest}
+
+    def run_one(self, s: Sample, spec: str, digest: str, reference: dict | None, stop: set[int]) -> dict:
+        row = self.base_row(spec, s.task, s.subtask, s.length, s.depth, s.index, digest)
+        row["actual_tokens"] = len(s.input_ids)
+        row["started"] = now()
+        cache = self.backend.make_cache(spec, self.model)
+        if s.metric == "ppl":
+            res = score_continuation(self.model, cache, s.input_ids, s.target_ids)
+            ppl = perplexity(res.nll_sum, res.count)
+            row.update(ppl=ppl, scored_tokens=res.count,
+                       ppl_ratio=ppl / reference["ppl"] if reference else (1.0 if spec == REFERENCE else None))
+        else:
+            # Agreement decodes its full length: stopping at EOS would make short answers "agree".
+            res = greedy_decode(self.model, cache, s.input_ids, s.max_new_tokens,
+                                stop_ids=set() if s.metric == "agreement" else stop)
+            answer = self.tok.decode(res.tokens, skip_special_tokens=True)
+            row["answer"] = answer[:ANSWER_CHARS]
+            if s.metric == "agreement":
+                ref_tokens = reference["tokens"] if reference else res.tokens
+                share, first = token_agreement(ref_tokens, res.tokens)
+                row.update(tokens=res.tokens, agreement=share, first_divergence=first)
+            else:
+                row.update(score=score_answer(s.metric, answer, s.expected), expected=s.expected)
+        row.update(cache_figures(cache))
+        row.update(prefill_s=res.prefill_s, decode_ms_per_token=res.decode_ms_per_token,
+                   peak_rss_mb=None, finished=now())
+        del cache
+        gc.collect()
+        return row
+
+    # -- cost ------------------------------------------------------------------------------------
+    def run_cost(self, done: dict) -> int:
+        plan = self.suite.tasks["cost"]
+        digest = f"cost:{plan.new_tokens}"
+        jobs = []
+        for repeat in range(plan.repeats):
+            for spec in self.specs:
+                missing = [L for L in plan.lengths
+                           if (spec, "cost", "prefill+decode", L, None, repeat, digest) not in done]
+                if missing:
+                    jobs.append((repeat, spec, missing))
+        written = 0
+        bar = tqdm(jobs, desc="cost (one process each)", unit="proc", disable=not self.opt.progress,
+                   file=sys.stderr)
+        for repeat, spec, lengths in bar:
+            bar.set_postfix_str(f"{spec} repeat {repeat}", refresh=False)
+            job = {"spec": spec, "lengths": lengths, "new_tokens": plan.new_tokens, "seed": self.opt.seed,
+                   "threads": self.opt.threads, "model": self.opt.model_ref}
+            started = now()
+            for measured in cost_task.run_job(job):
+                row = self.base_row(spec, "cost", "prefill+decode", measured["length"], None, repeat, digest)
+                ref = done.get((REFERENCE, "cost", "prefill+decode", measured["length"], None, repeat, digest))
+                row.update(measured, started=started, finished=now())
+                row["prefill_ratio"] = cost_task.paired_ratio(row["prefill_s"], ref and ref["prefill_s"])
+                row["decode_ratio"] = cost_task.paired_ratio(row["decode_ms_per_token"],
+                                                             ref and ref["decode_ms_per_token"])
+                if spec == REFERENCE:
+                    row["prefill_ratio"] = row["decode_ratio"] = 1.0
+                self.writer.write(row)
+                done[row_key(row)] = row
+                written += 1
+        return written

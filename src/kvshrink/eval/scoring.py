@@ -1,0 +1,59 @@
+"""Scores, computed the way NIAH and RULER compute them."""
+from __future__ import annotations
+
+import math
+import re
+
+
+def needle_exact(answer: str, value: str) -> float:
+    """100 when the needle's number appears in the answer as a whole digit run, else 0.
+
+    A whole run, so that "12345678" does not count as finding "1234567".
+    """
+    return 100.0 if value in re.findall(r"\d+", answer) else 0.0
+
+
+def string_match_all(answer: str, expected: list[str]) -> float:
+    """RULER's string_match_all: the share of expected strings found in the answer, 0-100."""
+    if not expected:
+        raise ValueError("string_match_all needs at least one expected string")
+    low = answer.lower()
+    return 100.0 * sum(e.lower() in low for e in expected) / len(expected)
+
+
+def string_match_part(answer: str, expected: list[str]) -> float:
+    """RULER's string_match_part: 100 when any expected string is in the answer."""
+    if not expected:
+        raise ValueError("string_match_part needs at least one expected string")
+    low = answer.lower()
+    return 100.0 if any(e.lower() in low for e in expected) else 0.0
+
+
+def score_answer(metric: str, answer: str, expected: list[str]) -> float:
+    if metric == "exact":
+        return needle_exact(answer, expected[0])
+    if metric == "all":
+        return string_match_all(answer, expected)
+    if metric == "part":
+        return string_match_part(answer, expected)
+    raise ValueError(f"unknown metric {metric!r}; allowed: exact, all, part")
+
+
+def token_agreement(reference: list[int], candidate: list[int]) -> tuple[float, int | None]:
+    """Share (0-100) of positions where the two greedy decodes hold the same token, and the first
+    position where they differ (None when identical). Positions past the shorter decode count as
+    different, so stopping early is not rewarded."""
+    n = max(len(reference), len(candidate))
+    if n == 0:
+        return 100.0, None
+    same = sum(a == b for a, b in zip(reference, candidate))
+    first = next((i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b), None)
+    if first is None and len(reference) != len(candidate):
+        first = min(len(reference), len(candidate))
+    return 100.0 * same / n, first
+
+
+def perplexity(nll_sum: float, count: int) -> float:
+    if count <= 0:
+        raise ValueError("perplexity needs at least one scored token")
+    return math.exp(nll_sum / count)

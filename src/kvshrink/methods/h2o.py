@@ -1,0 +1,227 @@
+"""``h2o`` (Heavy-Hitter Oracle, Zhang et al. 2023): keep the tokens with the largest accumulated
+attention ("heavy hitters") plus the most recent tokens, under a token budget; evict the rest.
+
+Also home of :class:`ScoredEvictionLayer`, the part H2O and Scissorhands share: a per-KV-head exact
+store whose eviction is driven by the attention probabilities the layer itself computes.
+
+Each KV head chooses its own tokens, as in the original H2O. The store therefore keeps its rows as
+``B * H_kv`` one-head rows (``ExactStore`` with batch ``B*H_kv``); the ``G`` query heads of a KV head
+are that row's query heads, so keys are never repeated to query heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvshrink.cache.attention import Partial, exact_partial, merge_partials
+from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.store import ExactStore, held_bytes
+
+# Probability elements computed at once while scoring (bounds prefill memory: never T x T x heads).
+_SCORE_BLOCK_ELEMENTS = 1 << 23
+
+
+def resolve_count(value: float, total: int, name: str) -> int:
+    """A count option that may be a fraction: ``value >= 1`` is a count, ``0 < value < 1`` a share of ``total``."""
+    if value >= 1:
+        if not float(value).is_integer():
+            raise ValueError(f"{name}={value}: a value >= 1 is a token count and must be a whole number")
+        return int(value)
+    return max(1, math.ceil(value * total))
+
+
+def check_count_option(value: float, name: str, allow_zero: bool = False) -> None:
+    low_ok = value >= 0 if allow_zero else value > 0
+    if not low_ok or (value >= 1 and not float(value).is_integer()):
+        allowed = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {allowed}: a whole count (>= 1) or a fraction in (0, 1); got {value}")
+
+
+def storage_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Kept tokens are stored in 16 bits (the fp16 reference's precision): fp32 models store fp16."""
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+class ScoredEvictionLayer(CacheLayer):
+    """An exact per-KV-head store evicting by statistics of the attention it computes.
+
+    Subclasses keep per-token statistics aligned with the store (``self.score``, ``[B*H_kv, n]``) and
+    implement ``observe`` (update them from one block of attention probabilities) and ``choose``
+    (store positions to keep, or None).
+    """
+
+    score_dtype = torch.float32
+
+    def __init__(self, spec: LayerSpec):
+        super().__init__(spec)
+        self.store = ExactStore(dtype=storage_dtype(self.info.dtype))
+        self.score: torch.Tensor | None = None
+        self.evicted = 0
+
+    # ---- what a scored method implements --------------------------------------------------------
+    def wants_probs(self, start: int, stop: int, q_len: int) -> bool:
+        """Whether query rows ``start..stop-1`` of a ``q_len``-token step need probabilities."""
+        return True
+
+    def observe(self, probs: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, start: int, q_len: int) -> None:
+        """Update ``self.score`` from ``probs [B*H_kv, qb, n]`` (query rows ``start..``, group-mean,
+        normalised over every visible token; columns = stored tokens then this step's tokens up to
+        the block's last row). ``rows [B*H_kv, qb]`` is 1 for real query rows, 0 for padding;
+        ``visible [B*H_kv, qb]`` counts the real tokens each query row sees."""
+        raise NotImplementedError
+
+    def choose(self, ctx: StepContext) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    # ---- attention with probabilities ----------------------------------------------------------------
+    def attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        key, value = self._pending
+        self._pending = None
+        b, hq, q, d = query.shape
+        hkv = self.info.num_kv_heads
+        g = hq // hkv
+        rows_q = query.reshape(b * hkv, g, q, d)  # query heads j*G..j*G+G-1 belong to KV head j
+        new_k = key.reshape(b * hkv, 1, q, d)
+        new_v = value.reshape(b * hkv, 1, q, d)
+        pad = None if ctx.pad_len is None else ctx.pad_len.repeat_interleave(hkv)
+        new_index = ctx.new_index
+        n_old = len(self.store)
+        self.begin_step(b * hkv, q, query.device)
+        step = max(1, _SCORE_BLOCK_ELEMENTS // max(1, b * hq * (n_old + q)))
+        outs = []
+        for start in range(0, q, step):
+            stop = min(q, start + step)
+            want = self.wants_probs(start, stop, q)
+            parts, probs = [], []
+            if n_old:
+                got = self.store.partial(rows_q[:, :, start:stop], ctx.scaling, pad, return_probs=want)
+                parts.append(got[0] if want else got)
+                probs.append(got[1] if want else None)
+            got = exact_partial(rows_q[:, :, start:stop], new_k[:, :, :stop], new_v[:, :, :stop], ctx.scaling,
+                                key_index=new_index[:stop], query_index=new_index[start:stop], pad_len=pad,
+                                return_probs=want)
+            parts.append(got[0] if want else got)
+            probs.append(got[1] if want else None)
+            merged = merge_partials(parts)
+            if want:
+                self._observe_block(parts, probs, merged, pad, new_index, start, stop, q)
+            outs.append(merged.out)
+        out = torch.cat(outs, dim=2).reshape(b, hq, q, d)
+        self.commit(key, value, ctx)
+        return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    def _observe_block(self, parts: list[Partial], probs: list[torch.Tensor], merged: Partial,
+                       pad: torch.Tensor | None, new_index: torch.Tensor, start: int, stop: int, q: int) -> None:
+        # A part's probabilities are normalised within the part; rescale to the whole softmax.
+        glob = [p * torch.exp(part.lse - merged.lse).unsqueeze(-1) for part, p in zip(parts, probs)]
+        group_mean = torch.cat(glob, dim=-1).mean(dim=1)  # [B*Hkv, qb, n_old + stop]
+        qidx = new_index[start:stop]
+        rows = torch.ones(group_mean.shape[0], stop - start, device=qidx.device)
+        n_real_old = self._real_stored(pad)
+        visible_new = (qidx - new_index[0] + 1).to(rows.dtype)[None, :].expand_as(rows)
+        if pad is not None:
+            rows = (qidx[None, :] >= pad[:, None]).to(rows.dtype)
+            first_real_new = (pad[:, None] - new_index[0]).clamp(min=0)
+            visible_new = (qidx[None, :] - new_index[0] + 1 - first_real_new).clamp(min=1).to(rows.dtype)
+        self.observe(group_mean * rows.unsqueeze(-1), rows, n_real_old[:, None] + visible_new, start, q)
+
+    def _real_stored(self, pad: torch.Tensor | None) -> torch.Tensor:
+        n = len(self.store)
+        rows = self.score.shape[0]
+        if n == 0:
+            return torch.zeros(rows, device=self.score.device)
+        if pad is None:
+            return torch.full((rows,), float(n), device=self.score.device)
+        index = self.store.token_index()
+        index = index if index.dim() == 2 else index.unsqueeze(0)
+        return (index >= pad[:, None]).sum(dim=1).float()
+
+    def begin_step(self, rows: int, q: int, device: torch.device) -> None:
+        """Make room in ``self.score`` for this step's ``q`` tokens (zero statistics)."""
+        fresh = torch.zeros(rows, q, dtype=self.score_dtype, device=device)
+        self.score = fresh if self.score is None else torch.cat([self.score, fresh], dim=1)
+
+    # ---- storage ---------------------------------------------------------------------------------------------
+    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
+        b, hkv, q, d = key.shape
+        self.store.append(key.reshape(b * hkv, 1, q, d), value.reshape(b * hkv, 1, q, d), ctx.new_index)
+        keep = self.choose(ctx)
+        if keep is not None:
+            self.evicted += len(self.store) - keep.shape[1]
+            self.store.keep(keep)
+            self.score = torch.gather(self.score, 1, keep.long())
+
+    def padding_tokens(self, ctx: StepContext) -> torch.Tensor | None:
+        """``[B*H_kv, n]`` True where a stored token is left padding (None without padding)."""
+        if ctx.pad_len is None:
+            return None
+        index = self.store.token_index()
+        index = index if index.dim() == 2 else index.unsqueeze(0)
+        return index < ctx.pad_len.repeat_interleave(self.info.num_kv_heads)[:, None]
+
+    def past_partials(self, query: torch.Tensor, ctx: StepContext):  # attend() is overridden
+        raise NotImplementedError("scored eviction layers compute attention in attend()")
+
+    def nbytes(self) -> int:
+        return self.store.nbytes() + held_bytes([self.score])
+
+    def breakdown(self) -> dict[str, int]:
+        return {"exact": self.store.nbytes(), "bookkeeping": held_bytes([self.score])}
+
+    def stats(self) -> dict[str, float]:
+        return {"kept_tokens": float(len(self.store)), "evicted_tokens": float(self.evicted)}
+
+    def clear(self) -> None:
+        self.store.reset()
+        self.score = None
+        self.evicted = 0
+
+
+def keep_top_and_recent(score: torch.Tensor, keep: int, recent: int,
+                        padding: torch.Tensor | None) -> torch.Tensor:
+    """Store positions ``[rows, keep]`` (ascending): the last ``recent`` tokens plus the ``keep - recent``
+    earlier tokens with the highest ``score``; padding tokens are chosen last."""
+    rows, n = score.shape
+    recent = min(recent, keep)
+    older = n - recent
+    ranked = score[:, :older].float()
+    if padding is not None:
+        ranked = ranked.masked_fill(padding[:, :older], float("-inf"))
+    if keep > recent:
+        heavy = torch.topk(ranked, keep - recent, dim=1, sorted=False).indices
+    else:
+        heavy = torch.zeros(rows, 0, dtype=torch.long, device=score.device)
+    tail = torch.arange(older, n, device=score.device).expand(rows, recent)
+    return torch.sort(torch.cat([heavy, tail], dim=1), dim=1).values
+
+
+@register_method(
+    "h2o",
+    "H2O: keep heavy hitters (largest accumulated attention, per KV head) plus recent tokens under a token budget",
+    options={
+        "budget": Option(0.2, "tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the tokens "
+                              "seen so far", type=float),
+        "recent": Option(0.5, "of the budget, the most recent tokens always kept: a count (>= 1), or a fraction "
+                              "(0 <= f < 1) of the budget (the rest are heavy hitters)", type=float),
+    },
+)
+class H2OLayer(ScoredEvictionLayer):
+    def __init__(self, spec: LayerSpec, budget: float = 0.2, recent: float = 0.5):
+        super().__init__(spec)
+        check_count_option(budget, "budget")
+        check_count_option(recent, "recent", allow_zero=True)
+        self.budget, self.recent = budget, recent
+
+    def observe(self, probs, rows, visible, start, q_len) -> None:
+        n = probs.shape[-1]
+        self.score[:, :n] += probs.sum(dim=1)
+
+    def choose(self, ctx: StepContext) -> torch.Tensor | None:
+        keep = resolve_count(self.budget, self.seen, "budget")
+        if len(self.store) <= keep:
+            return None
+        recent = 0 if self.recent == 0 else resolve_count(self.recent, keep, "recent")
+        return keep_top_and_recent(self.score, keep, recent, self.padding_tokens(ctx))

@@ -1,0 +1,132 @@
+"""``hf-quantized``: transformers' own ``QuantizedCache`` (quanto or hqq backend), with honest bytes.
+
+This is what a transformers user has today, so it is the comparison they ask for. It is not a
+kvshrink ``CacheLayer``: the model attends over the tensors the cache returns (transformers
+dequantizes the whole history on every step and re-quantizes it whenever its exact residual of
+``residual`` tokens fills up). The wrapper only adds the accounting every kvshrink cache has:
+``nbytes()`` counts every tensor the layers really hold (packed codes, scales, zero points, the exact
+residual), walking quanto's tensor subclasses down to their plain storages.
+
+Backends: ``quanto`` needs ``optimum-quanto`` (>= 0.2.5), ``hqq`` needs ``hqq``; both install with
+kvshrink. GQA and left-padded batches are handled by the model's own attention and mask.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from transformers.cache_utils import QuantizedCache
+
+from kvshrink.cache.base import ModelInfo
+from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.store import fp16_kv_bytes, held_bytes
+
+BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
+
+
+def plain_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every plain tensor inside ``obj``: tensor subclasses (quanto's packed/quantized tensors) are
+    flattened to the tensors that really hold memory; tuples, lists and dicts (hqq's metadata) are walked."""
+    if obj is None:
+        return []
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in plain_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in plain_tensors(item)]
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return [t for name in names for t in plain_tensors(getattr(obj, name))]
+        return [obj]
+    return []
+
+
+def require_backend(backend: str) -> None:
+    module, package = BACKEND_PACKAGES[backend]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise NotImplementedError(
+            f"hf-quantized with backend '{backend}' needs the '{package}' package, which is not installed; "
+            f"install it with: pip install --no-deps {package} (see the kvshrink README)"
+        )
+
+
+class MeasuredQuantizedCache(QuantizedCache):
+    """transformers' ``QuantizedCache`` plus kvshrink's accounting (``nbytes``, ``compression_ratio``...)."""
+
+    def __init__(self, backend: str, config, info: ModelInfo, bits: int, group: int, residual: int):
+        super().__init__(backend, config, nbits=bits, q_group_size=group, residual_length=residual)
+        self.method = "hf-quantized"
+        self.options = {"backend": backend, "bits": bits, "group": group, "residual": residual}
+        self.info = info
+
+    def _quantized(self, layer) -> list[torch.Tensor]:
+        return plain_tensors([layer._quantized_keys, layer._quantized_values])
+
+    def _exact(self, layer) -> list[torch.Tensor]:
+        return [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)]
+
+    @property
+    def batch_size(self) -> int:
+        for layer in self.layers:
+            for t in self._exact(layer):
+                if t.dim() == 4:
+                    return t.shape[0]
+        return 1
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds: packed codes, scales, zero points, exact residual."""
+        return sum(held_bytes(self._quantized(layer) + self._exact(layer)) for layer in self.layers)
+
+    def fp16_nbytes(self) -> int:
+        i = self.info
+        return fp16_kv_bytes(i.num_layers, i.num_kv_heads, i.head_dim, self.get_seq_length(), self.batch_size)
+
+    def compression_ratio(self) -> float:
+        held = self.nbytes()
+        return self.fp16_nbytes() / held if held else float("nan")
+
+    def breakdown(self) -> dict[str, int]:
+        quantized = sum(held_bytes(self._quantized(layer)) for layer in self.layers)
+        exact = sum(held_bytes(self._exact(layer)) for layer in self.layers)
+        return {"quantized": quantized, "exact": exact}
+
+    def stats(self) -> dict[str, float]:
+        exact = sum(t.shape[-2] for t in self._exact(self.layers[0])[:1] if t.dim() == 4) if self.layers else 0
+        return {"exact_tokens": float(exact), "quantized_tokens": float(self.get_seq_length() - exact)}
+
+    def summary(self) -> str:
+        return (f"{self.method}: {self.get_seq_length()} tokens, {self.nbytes() / 2**20:.2f} MiB held, "
+                f"fp16 {self.fp16_nbytes() / 2**20:.2f} MiB, ratio {self.compression_ratio():.2f}x")
+
+    def __repr__(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"MeasuredQuantizedCache(hf-quantized:{opts}, tokens={self.get_seq_length()})"
+
+
+def build_hf_quantized(model: torch.nn.Module, info: ModelInfo, multi_turn: bool = False, backend: str = "quanto",
+                       bits: int = 4, group: int = 64, residual: int = 128) -> MeasuredQuantizedCache:
+    require_backend(backend)
+    if group < 1 or residual < 1:
+        raise ValueError(f"hf-quantized needs group >= 1 and residual >= 1, got group={group}, residual={residual}")
+    # The model keeps (or gets back) ordinary attention: this cache returns plain dequantized tensors,
+    # which the kvshrink attention function would hand to SDPA anyway.
+    return MeasuredQuantizedCache(backend, model.config, info, bits, group, residual)
+
+
+register_method(
+    "hf-quantized",
+    "transformers' QuantizedCache (quanto or hqq backend), bytes measured on what it really holds",
+    options={
+        "backend": Option("quanto", "quantization backend", choices=("quanto", "hqq")),
+        "bits": Option(4, "bits per element", choices=(2, 4)),
+        "group": Option(64, "quantization group size (transformers' q_group_size)"),
+        "residual": Option(128, "exact residual length before re-quantizing (transformers' residual_length)"),
+    },
+    build=build_hf_quantized,
+)(build_hf_quantized)

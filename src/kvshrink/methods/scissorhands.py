@@ -1,0 +1,85 @@
+"""``scissorhands`` (Liu et al. 2023): keep the tokens whose importance *persists*.
+
+Persistence of importance: a token that mattered in recent steps keeps mattering. Over a history
+window of the last ``history`` queries, a token counts as important for a query when the attention
+it receives (mean over the query heads of its KV head) exceeds the uniform share ``1 / (tokens the
+query sees)``. The cache grows to ``budget`` tokens per KV head; when it would exceed the budget,
+the ``drop`` tokens outside the ``recent`` window with the fewest important hits are evicted at once
+(ties: the older token goes first), so the cache holds between ``budget - drop`` and ``budget``.
+
+The history is exact and small: one int64 per stored token and KV head, bit ``i`` set when the
+query ``i`` steps back found the token important (so ``history <= 62``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshrink.cache.base import LayerSpec, StepContext
+from kvshrink.cache.registry import Option, register_method
+from kvshrink.methods.h2o import ScoredEvictionLayer, check_count_option, keep_top_and_recent, resolve_count
+
+MAX_HISTORY = 62
+
+
+def persistence_counts(history_bits: torch.Tensor, history: int) -> torch.Tensor:
+    """Number of set bits among the low ``history`` bits of each int64."""
+    shifts = torch.arange(history, device=history_bits.device)
+    return ((history_bits.unsqueeze(-1) >> shifts) & 1).sum(dim=-1)
+
+
+@register_method(
+    "scissorhands",
+    "Scissorhands: keep tokens whose attention stayed above average over a history window (persistence of "
+    "importance), fixed budget per KV head, evict the least persistent in batches",
+    options={
+        "budget": Option(0.2, "most tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the "
+                              "tokens seen so far", type=float),
+        "recent": Option(0.25, "most recent tokens never evicted: a count (>= 1) or a fraction (0 <= f < 1) of "
+                               "the budget", type=float),
+        "history": Option(32, f"history window: the last queries whose attention counts (1..{MAX_HISTORY})"),
+        "drop": Option(0.1, "tokens evicted at once when the budget is exceeded: a count (>= 1) or a fraction "
+                            "(0 < f < 1) of the budget", type=float),
+    },
+)
+class ScissorhandsLayer(ScoredEvictionLayer):
+    score_dtype = torch.int64
+
+    def __init__(self, spec: LayerSpec, budget: float = 0.2, recent: float = 0.25, history: int = 32,
+                 drop: float = 0.1):
+        super().__init__(spec)
+        check_count_option(budget, "budget")
+        check_count_option(recent, "recent", allow_zero=True)
+        check_count_option(drop, "drop")
+        if not 1 <= history <= MAX_HISTORY:
+            raise ValueError(f"history must be in 1..{MAX_HISTORY} (one bit per query), got {history}")
+        self.budget, self.recent, self.history, self.drop = budget, recent, history, drop
+
+    def begin_step(self, rows: int, q: int, device: torch.device) -> None:
+        if self.score is not None:  # every stored token's history moves q queries back
+            self.score = torch.zeros_like(self.score) if q >= self.history else \
+                (self.score << q) & ((1 << self.history) - 1)
+        super().begin_step(rows, q, device)
+
+    def wants_probs(self, start: int, stop: int, q_len: int) -> bool:
+        return stop > q_len - self.history
+
+    def observe(self, probs, rows, visible, start, q_len) -> None:
+        qb, n = probs.shape[1], probs.shape[2]
+        back = q_len - 1 - (start + torch.arange(qb, device=probs.device))  # steps back from the newest query
+        in_window = (back < self.history) & (back >= 0)
+        important = (probs > (1.0 / visible).unsqueeze(-1)) & (rows > 0).unsqueeze(-1) & in_window[None, :, None]
+        bits = (important.long() << back.clamp(min=0)[None, :, None]).sum(dim=1)  # distinct bits: sum == or
+        self.score[:, :n] |= bits
+
+    def choose(self, ctx: StepContext) -> torch.Tensor | None:
+        budget = resolve_count(self.budget, self.seen, "budget")
+        n = len(self.store)
+        if n <= budget:
+            return None
+        keep = max(1, budget - resolve_count(self.drop, budget, "drop"))
+        recent = 0 if self.recent == 0 else resolve_count(self.recent, budget, "recent")
+        counts = persistence_counts(self.score, self.history).float()
+        # Equal counts: the newer token ranks higher (a bonus < 1 never outweighs one more hit).
+        ranked = counts + torch.arange(n, device=counts.device) / (2.0 * n)
+        return keep_top_and_recent(ranked, keep, recent, self.padding_tokens(ctx))

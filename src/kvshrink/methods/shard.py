@@ -1,0 +1,480 @@
+"""``shard``: asymmetric K/V compression (design/methods.md section 1).
+
+Per layer the cache holds ``[sinks exact][middle compressed][recent window exact]`` plus a decode
+stream:
+
+* **sinks / window**: the first ``sinks`` tokens (after any left padding) and the last ``window``
+  tokens, exact in ``exact_dtype`` (fp16 by default, as the source).
+* **middle** (prompt tokens that leave the window during prefill), one block per prefill chunk:
+  - K: RoPE undone exactly, keys of all KV heads stacked per token (``H_kv * d`` dims), centred PCA
+    per layer, bits per group of ``pca_group`` components from {0, 2, 4, 6, 8} by the DP of
+    `codecs.pca.allocate_bits` (4x penalty for dropping), int8 basis with per-column scales,
+    bit-packed symmetric coefficients with per-component steps scaled from their spread.
+  - V: randomized Hadamard rotation of each head's value (a seeded random orthogonal matrix when the
+    head size is not a power of two), per-(head, channel) RMS scaling, then vector quantization of
+    groups of ``v_group`` channels with a ``v_codebook``-entry codebook: by default the k-means
+    codebook of the standard Gaussian (data-independent: after rotation and scaling the groups are
+    close to Gaussian, so no per-prompt k-means), or refined on a sample of the block
+    (``v_fit="kmeans"``). Indices bit-packed.
+* **stream** (tokens that leave the window after decoding started, or prefill leftovers too small
+  for a PCA fit): TurboQuant (norm, randomized Hadamard, Lloyd-Max codebook for N(0, 1/d) at
+  ``stream_bits``, optional 1-bit QJL residual), for K and V.
+
+Attention is computed from the compressed store block by block: for each block of at most
+``block_tokens`` middle tokens the pre-RoPE keys are rebuilt from the coefficients (one small matrix
+product), RoPE is re-applied at the tokens' positions, scores are taken and the values are
+accumulated in the code domain (probabilities summed per codeword per channel group, one product
+with the codebook, scaling and inverse rotation once per block). The full-precision K or V of the
+middle segment never exists for the whole sequence. Each segment answers with a `Partial`
+(log-sum-exp), merged exactly by the framework.
+
+Per-layer budgets (beyond the source): with ``key_alloc="global"`` the key bit budget is shared by
+all layers: layers whose pre-RoPE keys are more low-rank get fewer bits. The allocation is a DP over
+the component groups of all layers at once, on each layer's spectrum measured on calibration text run
+once through the model when the cache is built (``calibration_tokens``); the prompt's own PCA then
+spends that layer's budget by the per-layer DP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
+from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.store import held_bytes
+from kvshrink.codecs.bitpack import pack_bits, unpack_bits
+from kvshrink.codecs.hadamard import RandomRotation
+from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
+from kvshrink.codecs.pca import PCACode, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances
+from kvshrink.codecs.rope import apply_rope, undo_rope
+from kvshrink.codecs.vq import assign_codes, check_codebook_size, fit_codebook, gaussian_codebook
+
+STREAM_BITS = (2, 3, 4, 8)
+EXACT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+V_FITS = ("gaussian", "kmeans")
+KEY_ALLOCS = ("layer", "global")
+
+# Score elements per block of middle tokens (bounds the transient memory of prefill-with-past).
+_SCORE_ELEMENTS = 1 << 22
+
+
+# ----------------------------------------------------------------------------------------------- config
+@dataclass
+class ShardConfig:
+    sinks: int = 4
+    window: int = 64
+    key_bits: float = 2.0
+    v_group: int = 4
+    v_codebook: int = 256
+    v_fit: str = "gaussian"
+    v_iters: int = 4
+    v_sample: int = 8192
+    pca_group: int = 0
+    rank: int = 0
+    drop_penalty: float = 4.0
+    stream_bits: int = 4
+    qjl: bool = False
+    seed: int = 0
+    exact_dtype: str = "float16"
+    min_block: int = 64
+    block_tokens: int = 4096
+    key_alloc: str = "layer"
+    calibration_tokens: int = 512
+
+    def validate(self, head_dim: int, num_kv_heads: int) -> None:
+        def bad(msg: str):
+            raise ValueError(f"shard: {msg}")
+
+        if self.sinks < 0:
+            bad(f"sinks must be >= 0, got {self.sinks}")
+        if self.window < 0:
+            bad(f"window must be >= 0, got {self.window}")
+        if not 0 < self.key_bits <= 8:
+            bad(f"key_bits (bits per key element in the middle segment) must be in (0, 8], got {self.key_bits}")
+        if self.v_group < 1 or head_dim % self.v_group:
+            bad(f"v_group must divide the head size {head_dim}, got {self.v_group}")
+        try:
+            check_codebook_size(self.v_codebook)
+        except ValueError:
+            bad(f"v_codebook must be a power of two in 2..256, got {self.v_codebook}")
+        if self.v_fit not in V_FITS:
+            bad(f"v_fit must be one of {V_FITS}, got {self.v_fit!r}")
+        if self.v_iters < 0 or self.v_sample < self.v_codebook:
+            bad(f"need v_iters >= 0 and v_sample >= v_codebook, got {self.v_iters}, {self.v_sample}")
+        if self.stream_bits not in STREAM_BITS:
+            bad(f"stream_bits must be one of {STREAM_BITS}, got {self.stream_bits}")
+        if self.exact_dtype not in EXACT_DTYPES:
+            bad(f"exact_dtype must be one of {list(EXACT_DTYPES)}, got {self.exact_dtype!r}")
+        if self.rank < 0 or self.rank > head_dim * num_kv_heads:
+            bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
+        if self.pca_group < 0:
+            bad(f"pca_group must be >= 0 (0 = automatic), got {self.pca_group}")
+        if self.drop_penalty < 1:
+            bad(f"drop_penalty must be >= 1, got {self.drop_penalty}")
+        if self.min_block < 2 or self.block_tokens < 1:
+            bad(f"need min_block >= 2 and block_tokens >= 1, got {self.min_block}, {self.block_tokens}")
+        if self.key_alloc not in KEY_ALLOCS:
+            bad(f"key_alloc must be one of {KEY_ALLOCS}, got {self.key_alloc!r}")
+        if self.calibration_tokens < 16:
+            bad(f"calibration_tokens must be >= 16, got {self.calibration_tokens}")
+
+    @property
+    def v_bits_per_element(self) -> float:
+        return math.log2(self.v_codebook) / self.v_group
+
+
+OPTIONS = {
+    "sinks": Option(4, "first tokens kept exact (attention sinks)"),
+    "window": Option(64, "most recent tokens kept exact (>= 0)"),
+    "key_bits": Option(2.0, "bits per key element for the compressed middle (PCA coefficients), in (0, 8]"),
+    "v_group": Option(4, "channels per value VQ group (must divide the head size)"),
+    "v_codebook": Option(256, "value VQ codebook entries (power of two, 2..256)"),
+    "v_fit": Option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
+                    "per block on a sample)", choices=V_FITS),
+    "v_iters": Option(4, "k-means iterations when v_fit='kmeans'"),
+    "v_sample": Option(8192, "group vectors sampled to refine the codebook when v_fit='kmeans'"),
+    "pca_group": Option(0, "PCA components per DP bit-allocation group (0 = H_kv*d/16)"),
+    "rank": Option(0, "PCA components computed per layer (0 = all H_kv*d)"),
+    "drop_penalty": Option(4.0, "error multiplier for dropping a component group in the DP"),
+    "stream_bits": Option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS),
+    "qjl": Option(False, "add a 1-bit QJL residual sketch to the decode stream"),
+    "seed": Option(0, "seed of the rotations and codebooks"),
+    "exact_dtype": Option("float16", "dtype of the exact sinks and window", choices=tuple(EXACT_DTYPES)),
+    "min_block": Option(64, "fewest prompt tokens compressed by PCA/VQ at once (fewer go to the stream)"),
+    "block_tokens": Option(4096, "middle tokens decoded at once during attention"),
+    "key_alloc": Option("layer", "key budget: 'layer' (each layer key_bits) or 'global' (shared by all "
+                        "layers by a DP on calibrated per-layer spectra)", choices=KEY_ALLOCS),
+    "calibration_tokens": Option(512, "tokens of calibration text for key_alloc='global'"),
+}
+
+
+# ----------------------------------------------------------------------------------------------- shared
+class ShardShared:
+    """State shared by the layers of one cache: quantizers, codebooks, per-layer key budgets, and a
+    per-step memo of RoPE tables (the middle's positions are the same in every layer)."""
+
+    def __init__(self, cfg: ShardConfig, num_layers: int, head_dim: int):
+        self.cfg = cfg
+        self.rotation = RandomRotation(head_dim, cfg.seed)
+        self.turbo = TurboQuantizer(head_dim, cfg.stream_bits, qjl=cfg.qjl, seed=cfg.seed + 1)
+        self.v_codebook = gaussian_codebook(cfg.v_group, cfg.v_codebook, seed=cfg.seed)
+        self.layer_key_bits: list[float] = [cfg.key_bits] * num_layers
+        self.num_layers = num_layers
+        self._rope_ctx: StepContext | None = None
+        self._rope_memo: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``start .. start+n-1``, memoised per step."""
+        if self._rope_ctx is not ctx:
+            self._rope_ctx, self._rope_memo = ctx, {}
+        key = (start, n)
+        if key not in self._rope_memo:
+            index = torch.arange(start, start + n, device=ctx.offset.device)
+            cos, sin = ctx.rope(ctx.positions(index))
+            self._rope_memo[key] = (cos.float(), sin.float())
+        return self._rope_memo[key]
+
+    def end_of_step(self) -> None:
+        self._rope_ctx, self._rope_memo = None, {}
+
+
+# ----------------------------------------------------------------------------------------------- segments
+class ExactRun:
+    """Exact keys/values ``[B, H_kv, n, d]`` of the contiguous token indices ``start .. start+n-1``."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.start = 0
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
+        if self.keys is None:
+            self.keys, self.values, self.start = key.to(self.dtype).contiguous(), value.to(self.dtype).contiguous(), start
+            return
+        if start != self.start + len(self):
+            raise RuntimeError(f"shard: tokens must arrive in order (expected index {self.start + len(self)}, got {start})")
+        self.keys = torch.cat([self.keys, key.to(self.dtype)], dim=2)
+        self.values = torch.cat([self.values, value.to(self.dtype)], dim=2)
+
+    def pop_front(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Remove and return the ``n`` oldest tokens (in float32) and their first index."""
+        k, v, start = self.keys[:, :, :n].float(), self.values[:, :, :n].float(), self.start
+        if n == len(self):
+            self.keys = self.values = None
+        else:  # clone: a view would keep the whole old storage alive
+            self.keys, self.values = self.keys[:, :, n:].clone(), self.values[:, :, n:].clone()
+        self.start += n
+        return k, v, start
+
+    def partial(self, query: torch.Tensor, scaling: float, pad_len: torch.Tensor | None) -> Partial:
+        index = torch.arange(self.start, self.start + len(self), device=self.keys.device)
+        return exact_partial(query, self.keys, self.values, scaling, key_index=index, pad_len=pad_len)
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.keys, self.values]
+
+
+@dataclass
+class MiddleBlock:
+    """One prefill chunk's compressed middle tokens ``start .. start+n-1`` (no padding among them)."""
+
+    start: int
+    n: int
+    keys: PCACode  # rows [B, n, H_kv*d] of pre-RoPE keys
+    v_codes: torch.Tensor  # [B, H_kv, n, ceil(d/group * bits / 8)] uint8
+    v_codebook: torch.Tensor  # [K, group] fp16
+    v_scale: torch.Tensor  # [H_kv, d] fp16, per (head, rotated channel)
+
+    def parts(self) -> dict[str, list[torch.Tensor]]:
+        k = self.keys.parts()
+        return {"k_codes": k["codes"], "k_scales": k["scales"], "k_bases": k["bases"],
+                "v_codes": [self.v_codes], "v_scales": [self.v_scale], "v_codebooks": [self.v_codebook]}
+
+
+@dataclass
+class Stream:
+    """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt)."""
+
+    keys: TurboCode | None = None
+    values: TurboCode | None = None
+    n: int = 0
+    runs: list = None  # (first index, count) of each appended run; python ints, for `dequantized`
+
+    def append(self, k: TurboCode, v: TurboCode, start: int, n: int) -> None:
+        self.runs = (self.runs or []) + [(start, n)]
+        if self.keys is None:
+            self.keys, self.values, self.n = k, v, n
+            return
+        self.keys = _cat_codes(self.keys, k)
+        self.values = _cat_codes(self.values, v)
+        self.n += n
+
+    def index(self, device) -> torch.Tensor:
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.runs])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.keys is None else self.keys.tensors() + self.values.tensors()
+
+
+def _cat_codes(a: TurboCode, b: TurboCode) -> TurboCode:
+    def cat(x, y):
+        return None if x is None else torch.cat([x, y], dim=2)
+
+    return TurboCode(norm=cat(a.norm, b.norm), codes=cat(a.codes, b.codes),
+                     qjl_signs=cat(a.qjl_signs, b.qjl_signs), qjl_norm=cat(a.qjl_norm, b.qjl_norm))
+
+
+def _softmax_part(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probabilities, log-sum-exp)`` of ``scores [..., n]`` over the last dim."""
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+
+# ----------------------------------------------------------------------------------------------- layer
+def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
+    from kvshrink.cache.base import KVShrinkCache
+    from kvshrink.cache.integration import install
+
+    cfg = ShardConfig(**options)
+    cfg.validate(info.head_dim, info.num_kv_heads)
+    shared = ShardShared(cfg, info.num_layers, info.head_dim)
+    if cfg.key_alloc == "global":
+        from kvshrink.methods.shard_calibration import global_key_budgets
+
+        shared.layer_key_bits = global_key_budgets(model, info, cfg)
+    cache = KVShrinkCache("shard", options, info, lambda spec: ShardLayer(spec, shared), multi_turn=multi_turn)
+    install(model)
+    return cache
+
+
+@register_method(
+    "shard",
+    "Shard: PCA+int keys with RoPE undone, Hadamard+VQ values, exact sinks and window, TurboQuant decode stream",
+    options=OPTIONS,
+    build=_build,
+)
+class ShardLayer(CacheLayer):
+    def __init__(self, spec: LayerSpec, shared: ShardShared):
+        super().__init__(spec)
+        self.shared = shared
+        self.cfg = shared.cfg
+        self.h_kv, self.d = self.info.num_kv_heads, self.info.head_dim
+        dtype = EXACT_DTYPES[self.cfg.exact_dtype]
+        self.head = ExactRun(dtype)
+        self.window = ExactRun(dtype)
+        self.middle: list[MiddleBlock] = []
+        self.stream = Stream()
+        self.decoding = False
+
+    # ---- attention ---------------------------------------------------------------------------------
+    def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        parts = []
+        if len(self.head):
+            parts.append(self.head.partial(query, ctx.scaling, ctx.pad_len))
+        for block in self.middle:
+            parts.extend(self.middle_partials(block, query, ctx))
+        if self.stream.n:
+            parts.append(self.stream_partial(query, ctx.scaling))
+        if len(self.window):
+            parts.append(self.window.partial(query, ctx.scaling, ctx.pad_len))
+        if self.layer_idx == self.info.num_layers - 1:
+            self.shared.end_of_step()
+        return parts
+
+    def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext) -> torch.Tensor:
+        """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes."""
+        pre = block.keys.decode(start, stop)  # [B, n, H*d]
+        b, n = pre.shape[0], pre.shape[1]
+        pre = pre.reshape(b, n, self.h_kv, self.d).transpose(1, 2)
+        cos, sin = self.shared.rope(ctx, block.start + start, n)
+        return apply_rope(pre, cos, sin)
+
+    def middle_values(self, block: MiddleBlock, probs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``probs [B, H_kv, R, n] @ V[start:stop]`` ``[B, H_kv, R, d]`` from the VQ codes."""
+        k_entries, group = block.v_codebook.shape
+        n_groups = self.d // group
+        idx = unpack_bits(block.v_codes[:, :, start:stop], int(math.log2(k_entries)), n_groups)  # [B,H,n,G]
+        codebook = block.v_codebook.float()
+        b, h, r, n = probs.shape
+        if r * n_groups <= 2 * self.d:
+            # Code domain: sum the probabilities per codeword and group, then one small product.
+            flat = idx + torch.arange(n_groups, device=idx.device) * k_entries
+            flat = flat.reshape(b, h, 1, n * n_groups).expand(b, h, r, n * n_groups)
+            src = probs.unsqueeze(-1).expand(b, h, r, n, n_groups).reshape(b, h, r, n * n_groups)
+            bins = torch.zeros(b, h, r, n_groups * k_entries, device=probs.device, dtype=probs.dtype)
+            bins.scatter_add_(-1, flat, src)
+            rotated = (bins.reshape(b, h, r, n_groups, k_entries) @ codebook).reshape(b, h, r, self.d)
+        else:
+            values = codebook[idx].reshape(b, h, n, self.d)
+            rotated = probs @ values
+        rotated = rotated * block.v_scale.float()[None, :, None, :]
+        return self.shared.rotation.unrotate(rotated)
+
+    def middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        qg = group_queries(query.float(), self.h_kv)  # [B, H_kv, R, d]
+        b, _, r, _ = qg.shape
+        step = max(64, min(self.cfg.block_tokens, _SCORE_ELEMENTS // max(1, b * self.h_kv * r)))
+        parts = []
+        for start in range(0, block.n, step):
+            stop = min(block.n, start + step)
+            keys = self.middle_keys(block, start, stop, ctx)
+            probs, lse = _softmax_part(qg @ keys.transpose(-1, -2) * ctx.scaling)
+            out = self.middle_values(block, probs, start, stop)
+            parts.append(Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1])))
+        return parts
+
+    def stream_partial(self, query: torch.Tensor, scaling: float) -> Partial:
+        qg = group_queries(query.float(), self.h_kv)
+        turbo = self.shared.turbo
+        probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
+        out = turbo.weighted_sum(probs, self.stream.values)
+        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+
+    # ---- storing ---------------------------------------------------------------------------------------
+    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
+        q = key.shape[2]
+        if q == 1:
+            self.decoding = True
+        first = ctx.past_len
+        # With left padding the sinks are each row's first real tokens: keep every index below
+        # max(pad) + sinks exact (padding included, masked in attention).
+        head_len = self.cfg.sinks + (int(ctx.pad_len.max()) if ctx.pad_len is not None else 0)
+        to_head = max(0, min(q, head_len - first))
+        if to_head:
+            self.head.append(key[:, :, :to_head], value[:, :, :to_head], first)
+        if to_head < q:
+            self.window.append(key[:, :, to_head:], value[:, :, to_head:], first + to_head)
+        overflow = len(self.window) - self.cfg.window
+        if overflow <= 0:
+            return
+        k, v, start = self.window.pop_front(overflow)
+        if not self.decoding and overflow >= self.cfg.min_block:
+            self.middle.append(self.compress_block(k, v, start, ctx))
+        else:
+            self.stream.append(self.shared.turbo.encode(k), self.shared.turbo.encode(v), start, overflow)
+
+    def key_bits_per_component(self, variances: torch.Tensor) -> list[int]:
+        dim = self.h_kv * self.d
+        group = self.cfg.pca_group or max(1, dim // 16)
+        sizes = group_sizes(variances.shape[0], group)
+        budget = int(round(self.shared.layer_key_bits[self.layer_idx] * dim))
+        bits = allocate_bits(group_variances(variances, sizes), sizes, budget, drop_penalty=self.cfg.drop_penalty)
+        return [b for b, s in zip(bits, sizes) for _ in range(s)]
+
+    def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext) -> MiddleBlock:
+        b, h, n, d = key.shape
+        cos, sin = self.shared.rope(ctx, start, n)
+        pre = undo_rope(key, cos, sin).transpose(1, 2).reshape(b, n, h * d)  # [B, n, H*d]
+        fit = fit_pca(pre.reshape(b * n, h * d), self.cfg.rank or h * d, seed=self.cfg.seed)
+        keys = encode_pca(pre, fit, self.key_bits_per_component(fit.variances))
+        v_codes, codebook, scale = self.encode_values(value)
+        return MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook, v_scale=scale)
+
+    def encode_values(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rotated = self.shared.rotation.rotate(value)  # [B, H, n, d]
+        scale = rotated.pow(2).mean(dim=(0, 2)).sqrt().clamp_min(1e-6).to(torch.float16)  # [H, d]
+        groups = (rotated / scale.float()[None, :, None, :]).reshape(-1, self.cfg.v_group)
+        codebook = self.shared.v_codebook.to(groups.device)
+        if self.cfg.v_fit == "kmeans":
+            codebook = fit_codebook(groups, self.cfg.v_codebook, iters=self.cfg.v_iters, sample=self.cfg.v_sample,
+                                    seed=self.cfg.seed + self.layer_idx, init=codebook)
+        codebook = codebook.to(torch.float16)
+        idx = assign_codes(groups, codebook.float()).reshape(*value.shape[:3], self.d // self.cfg.v_group)
+        return pack_bits(idx, int(math.log2(self.cfg.v_codebook))), codebook, scale
+
+    def dequantized(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every stored token rebuilt in float32: ``(keys, values [B, H_kv, n, d], index [n])``.
+
+        For tests and debugging only (attention never does this): exact attention over these
+        tensors is what `past_partials` computes blockwise from the packed store.
+        """
+        keys, values, index = [], [], []
+        device = ctx.offset.device
+        for run in (self.head,):
+            if len(run):
+                keys.append(run.keys.float()), values.append(run.values.float())
+                index.append(torch.arange(run.start, run.start + len(run), device=device))
+        for block in self.middle:
+            keys.append(self.middle_keys(block, 0, block.n, ctx))
+            b, h = block.v_codes.shape[:2]
+            eye = torch.eye(block.n, device=device).expand(b, h, block.n, block.n)
+            values.append(self.middle_values(block, eye, 0, block.n))
+            index.append(torch.arange(block.start, block.start + block.n, device=device))
+        if self.stream.n:
+            keys.append(self.shared.turbo.decode(self.stream.keys))
+            values.append(self.shared.turbo.decode(self.stream.values))
+            index.append(self.stream.index(device))
+        if len(self.window):
+            keys.append(self.window.keys.float()), values.append(self.window.values.float())
+            index.append(torch.arange(self.window.start, self.window.start + len(self.window), device=device))
+        return torch.cat(keys, 2), torch.cat(values, 2), torch.cat(index)
+
+    # ---- accounting -------------------------------------------------------------------------------------
+    def breakdown(self) -> dict[str, int]:
+        out = {"sinks": held_bytes(self.head.tensors()), "window": held_bytes(self.window.tensors())}
+        for kind in ("k_codes", "k_scales", "k_bases", "v_codes", "v_scales", "v_codebooks"):
+            out[f"middle_{kind}"] = 0
+        for block in self.middle:
+            for kind, tensors in block.parts().items():
+                out[f"middle_{kind}"] += held_bytes(tensors)
+        out["stream"] = held_bytes(self.stream.tensors())
+        return out
+
+    def nbytes(self) -> int:
+        return sum(self.breakdown().values())
+
+    def stats(self) -> dict[str, float]:
+        return {"middle_tokens": float(sum(b.n for b in self.middle)), "stream_tokens": float(self.stream.n)}
+
+    def clear(self) -> None:
+        dtype = EXACT_DTYPES[self.cfg.exact_dtype]
+        self.head, self.window = ExactRun(dtype), ExactRun(dtype)
+        self.middle, self.stream, self.decoding = [], Stream(), False

@@ -1,0 +1,113 @@
+"""``turboquant`` (Zandieh et al., arXiv:2504.19874): the data-oblivious quantizer for all of K and V.
+
+Every key and value vector (per token and KV head) is stored as its fp16 norm plus ``key_bits`` /
+``value_bits``-bit Lloyd-Max codes of its randomized-Hadamard-rotated unit vector
+(``codecs.lloyd_max.TurboQuantizer``; ``qjl`` adds the 1-bit QJL residual sketch to the keys, where
+inner products are what matters). By default nothing stays exact: that is the pure baseline. A small
+exact ``residual`` of recent tokens can be kept for comparison with KIVI.
+
+Attention never rebuilds the keys: queries are rotated once and scored against the codebook values in
+the rotated domain; the probability-weighted sum of the value codes is un-rotated once per block.
+Blocks of ``DEQUANT_BLOCK`` tokens are decoded at a time, one partial each, merged by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshrink.cache.attention import Partial, exact_partial
+from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.store import held_bytes
+from kvshrink.codecs.lloyd_max import TURBO_BITS, TurboCode, TurboQuantizer
+from kvshrink.methods.h2o import storage_dtype
+from kvshrink.methods.kivi import DEQUANT_BLOCK, ExactTail
+
+
+def _cat(a: TurboCode | None, b: TurboCode) -> TurboCode:
+    """Concatenate codes along the token dim (dim 2 of ``[B, H, n, ...]``)."""
+    if a is None:
+        return b
+    join = [None if x is None else torch.cat([x, y], dim=2) for x, y in zip(_fields(a), _fields(b))]
+    return TurboCode(*join)
+
+
+def _fields(c: TurboCode) -> tuple:
+    return (c.norm, c.codes, c.qjl_signs, c.qjl_norm)
+
+
+def _slice(c: TurboCode, start: int, stop: int) -> TurboCode:
+    return TurboCode(*[None if x is None else x[:, :, start:stop] for x in _fields(c)])
+
+
+@register_method(
+    "turboquant",
+    "TurboQuant: norm + randomized Hadamard + Lloyd-Max codes (optional QJL) for every key and value",
+    options={
+        "key_bits": Option(4, "bits per key coordinate", choices=TURBO_BITS),
+        "value_bits": Option(4, "bits per value coordinate", choices=TURBO_BITS),
+        "qjl": Option(False, "add the 1-bit QJL residual sketch to the keys (+1 bit per key coordinate)"),
+        "residual": Option(0, "most recent tokens kept exactly (fp16); 0 = quantize every token"),
+    },
+)
+class TurboQuantLayer(CacheLayer):
+    def __init__(self, spec: LayerSpec, key_bits: int = 4, value_bits: int = 4, qjl: bool = False,
+                 residual: int = 0):
+        super().__init__(spec)
+        if residual < 0:
+            raise ValueError(f"turboquant residual must be >= 0, got {residual}")
+        d = self.info.head_dim
+        # Each layer and each of K/V gets its own rotation (seeded, so it is rebuilt, not stored).
+        self.key_q = TurboQuantizer(d, key_bits, qjl=qjl, seed=2 * self.layer_idx)
+        self.value_q = TurboQuantizer(d, value_bits, qjl=False, seed=2 * self.layer_idx + 1)
+        self.residual = residual
+        self.tail = ExactTail(storage_dtype(self.info.dtype))
+        self.clear()
+
+    def clear(self) -> None:
+        self.tail.clear()
+        self.keys: TurboCode | None = None
+        self.values: TurboCode | None = None
+        self.quantized = 0
+
+    def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        parts = []
+        if self.quantized:
+            rotated_q = self.key_q.rotation.rotate(query.float())
+            for start in range(0, self.quantized, DEQUANT_BLOCK):
+                stop = min(self.quantized, start + DEQUANT_BLOCK)
+                key = self.key_q.decode_rotated(_slice(self.keys, start, stop))
+                value = self.value_q.decode_rotated(_slice(self.values, start, stop))
+                index = torch.arange(start, stop, device=key.device)
+                part = exact_partial(rotated_q, key, value, ctx.scaling, key_index=index, pad_len=ctx.pad_len)
+                parts.append(Partial(self.value_q.rotation.unrotate(part.out), part.lse))
+        return parts + self.tail.partials(query, ctx)
+
+    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
+        self.tail.append(key, value)
+        flush = len(self.tail) - self.residual
+        if flush > 0:
+            k, v = self.tail.pop_oldest(flush)
+            self.keys = _cat(self.keys, self.key_q.encode(k))
+            self.values = _cat(self.values, self.value_q.encode(v))
+            self.quantized += flush
+
+    def _codes(self) -> list[torch.Tensor]:
+        return [t for c in (self.keys, self.values) if c is not None for t in c.tensors()]
+
+    def quantizer_bytes(self) -> int:
+        """The state needed to decode: rotation (and sketch) seeds and the two codebooks (fp32)."""
+        seeds = self.key_q.rotation.nbytes() + self.value_q.rotation.nbytes() + (8 if self.key_q.qjl else 0)
+        return seeds + 4 * ((1 << self.key_q.bits) + (1 << self.value_q.bits))
+
+    def nbytes(self) -> int:
+        return held_bytes(self._codes()) + self.tail.nbytes() + self.quantizer_bytes()
+
+    def breakdown(self) -> dict[str, int]:
+        norms = [t for c in (self.keys, self.values) if c is not None for t in (c.norm, c.qjl_norm) if t is not None]
+        codes = [t for c in (self.keys, self.values) if c is not None for t in (c.codes, c.qjl_signs) if t is not None]
+        return {"codes": held_bytes(codes), "norms": held_bytes(norms), "exact": self.tail.nbytes(),
+                "quantizer": self.quantizer_bytes()}
+
+    def stats(self) -> dict[str, float]:
+        return {"quantized_tokens": float(self.quantized), "exact_tokens": float(len(self.tail))}

@@ -1,0 +1,47 @@
+"""Shared fixtures: the embedded model (loaded once per session) and tiny random models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The embedded SmolLM2-135M-Instruct and its tokenizer (fp32, CPU)."""
+    import kvshrink
+
+    model, tokenizer = kvshrink.load_model()
+    return model, tokenizer
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides):
+    """A randomly initialised 2-layer decoder with GQA (4 query heads, 2 KV heads, head size 16)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    common.update(overrides)
+    if family == "llama":
+        config = LlamaConfig(**common)
+    elif family == "qwen2":
+        config = Qwen2Config(**common)
+    elif family == "mistral":
+        common.setdefault("sliding_window", None)
+        config = MistralConfig(**common)
+    else:
+        raise ValueError(family)
+    model = AutoModelForCausalLM.from_config(config)
+    model.eval()
+    return model
+
+
+@pytest.fixture
+def tiny():
+    return tiny_model

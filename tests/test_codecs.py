@@ -1,0 +1,233 @@
+import itertools
+import math
+
+import pytest
+import torch
+
+from kvshrink.codecs import (
+    RandomRotation, TurboQuantizer, allocate_bits, apply_rope, encode_pca, fit_codebook, fit_pca,
+    hadamard_matrix, lloyd_max_centroids, pack_bits, packed_size, undo_rope, unpack_bits, vq_encode,
+)
+from kvshrink.codecs.pca import gaussian_uniform_step, modelled_error
+
+
+def llama_cos_sin(positions, d, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.double().unsqueeze(-1) * inv
+    emb = torch.cat((ang, ang), dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+# ---------------------------------------------------------------- RoPE
+def test_undo_rope_is_exact_inverse_and_matches_llama():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    b, h, t, d = 2, 3, 17, 64
+    k = torch.randn(b, h, t, d)
+    pos = torch.arange(t).repeat(b, 1) + torch.tensor([[0], [5]])
+    cos, sin = llama_cos_sin(pos, d)
+    _, k_hf = apply_rotary_pos_emb(k, k, cos, sin)
+    torch.testing.assert_close(apply_rope(k, cos, sin), k_hf)
+    torch.testing.assert_close(undo_rope(k_hf, cos, sin), k, atol=1e-5, rtol=1e-5)
+    # [B, 1, T, d] broadcasting works too
+    torch.testing.assert_close(undo_rope(k_hf, cos.unsqueeze(1), sin.unsqueeze(1)), k, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(k_hf, k, atol=1e-3)
+
+
+# ---------------------------------------------------------------- bit packing
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 64])
+def test_pack_unpack_round_trip(bits, n):
+    g = torch.Generator().manual_seed(bits * 100 + n)
+    codes = torch.randint(0, 1 << bits, (3, 2, n), generator=g)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (3, 2, packed_size(n, bits)) == (3, 2, math.ceil(n * bits / 8))
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_pack_rejects_bad_bits():
+    with pytest.raises(ValueError, match="1..8"):
+        pack_bits(torch.zeros(4, dtype=torch.long), 9)
+    with pytest.raises(ValueError, match="integer"):
+        pack_bits(torch.zeros(4), 2)
+
+
+# ---------------------------------------------------------------- Hadamard
+@pytest.mark.parametrize("dim", [64, 128, 48])
+def test_rotation_is_orthogonal_and_seeded(dim):
+    r = RandomRotation(dim, seed=3)
+    m = r.matrix(dtype=torch.float64)
+    torch.testing.assert_close(m @ m.T, torch.eye(dim, dtype=torch.float64))
+    x = torch.randn(5, dim)
+    torch.testing.assert_close(r.unrotate(r.rotate(x)), x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r.rotate(x).norm(dim=-1), x.norm(dim=-1))
+    assert torch.equal(RandomRotation(dim, seed=3).matrix(), r.matrix())
+    assert not torch.equal(RandomRotation(dim, seed=4).matrix(), r.matrix())
+    assert r.kind == ("hadamard" if dim in (64, 128) else "random_orthogonal")
+
+
+def test_hadamard_entries():
+    h = hadamard_matrix(8)
+    assert torch.allclose(h.abs(), torch.full((8, 8), 1 / math.sqrt(8), dtype=torch.float64))
+    with pytest.raises(ValueError):
+        hadamard_matrix(12)
+
+
+# ---------------------------------------------------------------- Lloyd-Max / TurboQuant
+def test_lloyd_max_matches_published_values():
+    c1 = lloyd_max_centroids(1)
+    torch.testing.assert_close(c1, torch.tensor([-0.7979, 0.7979]), atol=1e-4, rtol=0)
+    c2 = lloyd_max_centroids(2)
+    torch.testing.assert_close(c2, torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104]), atol=1e-4, rtol=0)
+    # 3 bits (Max 1960): 0.2451, 0.7560, 1.3439, 2.1520
+    torch.testing.assert_close(lloyd_max_centroids(3)[4:], torch.tensor([0.2451, 0.7560, 1.3439, 2.1520]),
+                               atol=2e-4, rtol=0)
+    c8 = lloyd_max_centroids(8, sigma=0.125)
+    assert c8.shape == (256,) and torch.all(c8[1:] > c8[:-1])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_turboquant_mse_within_bound(bits):
+    d = 64
+    q = TurboQuantizer(d, bits, seed=1)
+    x = torch.randn(4000, d, generator=torch.Generator().manual_seed(0))
+    x = x / x.norm(dim=-1, keepdim=True)
+    code = q.encode(x)
+    xh = q.decode(code)
+    mse = (x - xh).pow(2).sum(-1).mean().item()
+    assert mse <= math.sqrt(3) * math.pi / 2 * 4.0 ** -bits
+    assert mse >= 0.5 * 4.0 ** -bits or bits == 8  # information-theoretic floor (fp16 norm limits 8 bits)
+    assert code.nbytes() == 4000 * (2 + d * bits // 8)
+
+
+def test_turboquant_scaled_vectors_inner_products_and_qjl():
+    d = 48  # not a power of two: random orthogonal fallback
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 500, d, generator=g) * 3
+    qv = torch.randn(2, 4, d, generator=g)
+    for qjl in (False, True):
+        tq = TurboQuantizer(d, 3, qjl=qjl, seed=2)
+        code = tq.encode(x)
+        xh = tq.decode(code)
+        rel = ((x - xh).pow(2).sum(-1) / x.pow(2).sum(-1)).mean()
+        assert rel < math.sqrt(3) * math.pi / 2 * 4.0 ** -3 * (1.5 if qjl else 1.0)
+        torch.testing.assert_close(tq.inner_products(qv, code), qv @ xh.transpose(-1, -2), atol=1e-3, rtol=1e-4)
+        p = torch.softmax(torch.randn(2, 4, 500, generator=g), -1)
+        torch.testing.assert_close(tq.weighted_sum(p, code), p @ xh, atol=1e-4, rtol=1e-4)
+    assert tq.nbytes(code) == 2 * 500 * (2 + 18 + 6 + 2)
+    # QJL makes inner products unbiased: average error over many keys is small relative to plain.
+    with pytest.raises(ValueError, match="one of"):
+        TurboQuantizer(64, 5)
+
+
+# ---------------------------------------------------------------- PCA + DP
+def brute_force(vars_, sizes, budget, choices=(0, 2, 4, 6, 8)):
+    best = None
+    for combo in itertools.product(choices, repeat=len(sizes)):
+        if sum(s * b for s, b in zip(sizes, combo)) > budget:
+            continue
+        err = sum(modelled_error(g, b) for g, b in zip(vars_, combo))
+        if best is None or err < best[0] - 1e-12:
+            best = (err, combo)
+    return best
+
+
+@pytest.mark.parametrize("budget", [0, 10, 24, 37, 60, 200])
+def test_dp_allocation_meets_budget_and_matches_brute_force(budget):
+    g = torch.Generator().manual_seed(budget)
+    vars_ = (torch.rand(5, generator=g) * 10).tolist()
+    sizes = [4, 3, 4, 2, 5]
+    bits = allocate_bits(vars_, sizes, budget)
+    assert sum(s * b for s, b in zip(sizes, bits)) <= budget
+    err = sum(modelled_error(v, b) for v, b in zip(vars_, bits))
+    best_err, _ = brute_force(vars_, sizes, budget)
+    assert err == pytest.approx(best_err, rel=1e-9)
+
+
+def test_dp_drop_penalty_prefers_coarse_over_dropping():
+    # Two equal groups, budget for 4 bits total per component: 2+2 beats 4+0 under the 4x penalty.
+    assert allocate_bits([1.0, 1.0], [1, 1], 4) == [2, 2]
+
+
+def test_gaussian_step_known_value():
+    # 3-level (2-bit symmetric) optimal quantizer for N(0,1): levels 0, +-1.224
+    assert gaussian_uniform_step(2) == pytest.approx(1.224, abs=0.01)
+
+
+def test_pca_code_error_matches_model():
+    g = torch.Generator().manual_seed(0)
+    n, dim, r = 3000, 96, 24
+    latent = torch.randn(n, r, generator=g) * torch.linspace(4, 0.5, r)
+    x = latent @ torch.linalg.qr(torch.randn(dim, r, generator=g))[0].T + 0.01 * torch.randn(n, dim, generator=g) + 2
+    fit = fit_pca(x, r)
+    assert fit.variances[0] > fit.variances[-1]
+    assert float(fit.variances.sum()) / fit.total_variance > 0.99
+    for bits in (8, 4, 2):
+        code = encode_pca(x, fit, [bits] * r)
+        err = (code.decode() - x).pow(2).sum(-1).mean().item()
+        energy = float(fit.variances.sum())
+        # what the Gaussian-optimal uniform quantizer achieves on each (Gaussian) component
+        z = torch.randn(200000, generator=g)
+        step, qmax = gaussian_uniform_step(bits), (1 << (bits - 1)) - 1
+        gauss_mse = float((torch.clamp(torch.round(z / step), -qmax, qmax) * step - z).pow(2).mean())
+        model = 1.2 * energy * gauss_mse
+        floor = (dim - r) * 1e-4 + 2e-4 * energy  # noise outside the rank + the int8 basis
+        assert err < model + floor, (bits, err, model)
+        assert code.nbytes() == n * r * bits // 8 + r * 2 + dim * 2 + dim * r + r * 2
+    # a dropped component costs nothing and removes its energy
+    code = encode_pca(x, fit, [4] * 12 + [0] * 12)
+    assert code.rank == 12
+    err = (code.decode() - x).pow(2).sum(-1).mean().item()
+    assert err == pytest.approx(float(fit.variances[12:].sum()), rel=0.2)
+    # randomized SVD (niter=24) finds the same subspace as the exact fit
+    low = fit_pca(x, r, method="lowrank")
+    torch.testing.assert_close(low.variances, fit.variances, rtol=1e-3, atol=1e-3)
+    overlap = (low.basis.T @ fit.basis).pow(2).sum() / r
+    assert overlap > 0.999
+    # block decoding equals slicing the full decode
+    torch.testing.assert_close(code.decode(100, 200), code.decode()[100:200])
+
+
+def test_pca_spread_scaling_beats_absmax_at_2_bits():
+    g = torch.Generator().manual_seed(0)
+    x = torch.distributions.StudentT(4.0).sample((4000, 8))  # heavy tails, like PCA coefficients
+    fit = fit_pca(x, 8)
+    code = encode_pca(x, fit, [2] * 8)
+    err = (code.decode() - x).pow(2).mean().item()
+    coeffs = (x - x.mean(0)) @ fit.basis
+    step = coeffs.abs().amax(0)  # absmax scaling: qmax=1 -> step = absmax
+    absmax_err = (torch.clamp(torch.round(coeffs / step), -1, 1) * step - coeffs).pow(2).mean().item()
+    assert err < 0.7 * absmax_err
+
+
+# ---------------------------------------------------------------- VQ
+def test_vq_error_bound_and_layout():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 2000, 64, generator=g)
+    rot = RandomRotation(64, seed=0)
+    code = vq_encode(rot.rotate(x), group=4, k=256, seed=0, sample=8192)
+    assert code.codes.shape == (2, 3, 2000, 16) and code.codes.dtype == torch.uint8
+    xh = rot.unrotate(code.decode())
+    rel = (x - xh).pow(2).sum() / x.pow(2).sum()
+    # 4-dim Gaussian at 2 bits/dim: rate-distortion bound 4^-2 = 0.0625; k-means gets close (~0.09).
+    assert 0.0625 <= rel < 0.12, rel
+    assert code.nbytes() == 2 * 3 * 2000 * 16 + 256 * 4 * 2
+    # fitting more iterations never hurts much; a bigger codebook helps
+    small = vq_encode(x, group=4, k=16, seed=0)
+    rel_small = (x - small.decode()).pow(2).sum() / x.pow(2).sum()
+    assert rel_small > rel
+
+
+def test_vq_exact_on_clustered_data_and_chunked_assignment():
+    g = torch.Generator().manual_seed(1)
+    centres = torch.randn(8, 2, generator=g) * 10
+    pts = centres[torch.randint(0, 8, (5000,), generator=g)]
+    cb = fit_codebook(pts, 8, iters=10, seed=0)
+    from kvshrink.codecs import assign_codes
+    idx_chunked = assign_codes(pts, cb, chunk=333)
+    torch.testing.assert_close(cb[idx_chunked], pts, atol=1e-3, rtol=1e-4)
+    assert torch.equal(idx_chunked, assign_codes(pts, cb))
+    with pytest.raises(ValueError, match="power of two"):
+        fit_codebook(pts, 100)

@@ -1,0 +1,223 @@
+"""The cache framework on tiny random models: exactness, GQA, left padding, bytes, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvshrink
+from kvshrink.cache.attention import Partial, exact_partial, merge_partials
+from conftest import tiny_model
+
+FAMILIES = ["llama", "qwen2", "mistral"]
+
+
+def greedy(model, ids, mask, cache, new_tokens=8):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0, eos_token_id=None)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def left_pad(rows: list[torch.Tensor]):
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_equals_dynamic_cache(family):
+    model = tiny_model(family)
+    (ids,) = prompts([40])
+    ids, mask = ids[None], torch.ones(1, 40, dtype=torch.long)
+    ref_seq, ref_logits = greedy(model, ids, mask, DynamicCache())
+    seq, logits = greedy(model, ids, mask, kvshrink.make_cache("full", model))
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method,options", [("full", {}), ("streaming", {"sinks": 2, "window": 12})])
+def test_left_padded_batch_equals_rows_alone(family, method, options):
+    model = tiny_model(family)
+    rows = prompts([30, 21, 9])
+    ids, mask = left_pad(rows)
+    seq, logits = greedy(model, ids, mask, kvshrink.make_cache(method, model, **options), new_tokens=10)
+    for i, row in enumerate(rows):
+        alone_seq, alone_logits = greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long),
+                                         kvshrink.make_cache(method, model, **options), new_tokens=10)
+        assert torch.equal(seq[i, -10:], alone_seq[0, -10:]), f"row {i} differs"
+        torch.testing.assert_close(logits[i], alone_logits[0], atol=2e-4, rtol=1e-4)
+
+
+def test_streaming_differs_from_full_once_it_evicts():
+    model = tiny_model("llama")
+    (ids,) = prompts([60])
+    mask = torch.ones(1, 60, dtype=torch.long)
+    _, full_logits = greedy(model, ids[None], mask, kvshrink.make_cache("full", model))
+    _, stream_logits = greedy(model, ids[None], mask, kvshrink.make_cache("streaming", model, sinks=2, window=8))
+    _, wide_logits = greedy(model, ids[None], mask, kvshrink.make_cache("streaming", model, sinks=2, window=100))
+    assert (full_logits - stream_logits).abs().max() > 1e-3
+    torch.testing.assert_close(wide_logits, full_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_byte_accounting_by_hand():
+    model = tiny_model("llama")  # 2 layers, 2 KV heads, head size 16, fp32
+    rows = prompts([25, 25])
+    ids, mask = left_pad(rows)
+    full = kvshrink.make_cache("full", model)
+    greedy(model, ids, mask, full, new_tokens=5)
+    tokens = 25 + 5 - 1  # the last generated token is never fed back
+    assert full.get_seq_length() == tokens
+    bookkeeping = 2 * 8  # the cache's int64 RoPE offset per row (no padding here, so no pad lengths)
+    assert full.nbytes() == 2 * 2 * (2 * 2 * tokens * 16) * 4 + bookkeeping  # layers x (K,V) x [B,Hkv,T,d] x fp32
+    assert full.fp16_nbytes() == 2 * 2 * 2 * 16 * tokens * 2 * 2
+    assert full.compression_ratio() == pytest.approx(full.fp16_nbytes() / full.nbytes())
+    assert full.compression_ratio() == pytest.approx(0.5, rel=1e-3)
+    stream = kvshrink.make_cache("streaming", model, sinks=2, window=8)
+    greedy(model, ids, mask, stream, new_tokens=5)
+    kept = 2 + 8
+    per_layer = 2 * (2 * 2 * kept * 16) * 4 + 2 * kept * 4  # K,V fp32 + int32 token index per row
+    assert stream.nbytes() == 2 * per_layer + bookkeeping
+    assert sum(stream.breakdown().values()) == stream.nbytes()
+
+
+def test_partials_merge_to_exact_attention():
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 3, 8)
+    k, v = torch.randn(2, 2, 20, 8), torch.randn(2, 2, 20, 8)
+    whole = exact_partial(q, k, v, 0.3)
+    parts = [exact_partial(q, k[:, :, a:b], v[:, :, a:b], 0.3, key_index=torch.arange(a, b))
+             for a, b in [(0, 7), (7, 15), (15, 20)]]
+    merged = merge_partials(parts)
+    torch.testing.assert_close(merged.out, whole.out)
+    torch.testing.assert_close(merged.lse, whole.lse)
+    reference = torch.softmax((q.reshape(2, 2, 3, 3, 8) @ k[:, :, None].transpose(-1, -2)) * 0.3, -1) @ v[:, :, None]
+    torch.testing.assert_close(whole.out, reference.reshape(2, 6, 3, 8), atol=1e-5, rtol=1e-5)
+
+
+def test_exact_partial_masks_padding_and_future():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    idx = torch.arange(4)
+    part = exact_partial(q, k, v, 1.0, key_index=idx, query_index=idx, pad_len=torch.tensor([1]))
+    # query 2 sees keys 1 and 2 only (key 0 is padding, key 3 is in the future)
+    s = (q[0, 0, 2] @ k[0, 0, 1:3].T)
+    expected = torch.softmax(s, -1) @ v[0, 0, 1:3]
+    torch.testing.assert_close(part.out[0, 0, 2], expected)
+    assert torch.isfinite(part.out).all()
+
+
+def test_unknown_method_and_option_list_the_valid_ones():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="available: .*full.*streaming"):
+        kvshrink.make_cache("nope", model)
+    with pytest.raises(ValueError, match="valid options: .*window"):
+        kvshrink.make_cache("streaming", model, windw=3)
+    with pytest.raises(ValueError, match="expects int"):
+        kvshrink.make_cache("streaming", model, window="many")
+    with pytest.raises(ValueError, match="window >= 1"):
+        kvshrink.make_cache("streaming", model, window=0)
+
+
+def test_method_spec_parsing():
+    assert kvshrink.parse_method_spec("streaming:window=32, sinks=2") == ("streaming", {"window": "32", "sinks": "2"})
+    with pytest.raises(ValueError, match="key=value"):
+        kvshrink.parse_method_spec("streaming:window")
+    with pytest.raises(ValueError, match="unknown kvshrink method"):
+        kvshrink.parse_method_spec("bogus:x=1")
+
+
+def test_unsupported_models_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(NotImplementedError, match="RoPE"):
+        kvshrink.make_cache("full", gpt2)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        kvshrink.make_cache("full", tiny_model("mistral", sliding_window=16))
+    qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        kvshrink.make_cache("full", qwen)
+    llama = tiny_model("llama")
+    llama.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(NotImplementedError, match="linear_attention"):
+        kvshrink.make_cache("full", llama)
+
+
+def test_cache_reuse_for_a_new_prompt_is_refused_until_reset():
+    model = tiny_model("llama")
+    a, b = prompts([20, 15])
+    cache = kvshrink.make_cache("full", model)
+    greedy(model, a[None], torch.ones(1, 20, dtype=torch.long), cache)
+    with pytest.raises(kvshrink.CacheReuseError, match="reset"):
+        greedy(model, b[None], torch.ones(1, 15, dtype=torch.long), cache)
+    cache.reset()
+    seq, _ = greedy(model, b[None], torch.ones(1, 15, dtype=torch.long), cache)
+    ref, _ = greedy(model, b[None], torch.ones(1, 15, dtype=torch.long), DynamicCache())
+    assert torch.equal(seq, ref)
+
+
+def test_multi_turn_cache_continues_a_conversation_exactly():
+    model = tiny_model("llama")
+    (a,) = prompts([20])
+    cache = kvshrink.make_cache("full", model, multi_turn=True)
+    first, _ = greedy(model, a[None], torch.ones(1, 20, dtype=torch.long), cache)
+    follow = torch.cat([first, torch.tensor([[5, 6, 7]])], dim=1)
+    seq, _ = greedy(model, follow, torch.ones_like(follow), cache)
+    ref, _ = greedy(model, follow, torch.ones_like(follow), DynamicCache())
+    assert torch.equal(seq, ref)
+
+
+def test_right_padding_and_nan_inputs_are_refused():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, -3:] = 0
+    with pytest.raises(NotImplementedError, match="left padding"):
+        model(input_ids=ids, attention_mask=mask, past_key_values=kvshrink.make_cache("full", model))
+    embeds = model.get_input_embeddings()(ids).detach()
+    embeds[0, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        model(inputs_embeds=embeds, past_key_values=kvshrink.make_cache("full", model))
+
+
+def test_unsupported_generation_modes_raise_clearly():
+    model = tiny_model("llama")
+    (a,) = prompts([12])
+    cache = kvshrink.make_cache("streaming", model, window=4)
+    with pytest.raises(NotImplementedError, match="'streaming' does not support .*beam search"):
+        model.generate(input_ids=a[None], past_key_values=cache, max_new_tokens=3, do_sample=False,
+                       num_beams=2, pad_token_id=0)
+
+
+def test_full_supports_num_return_sequences():
+    model = tiny_model("llama")
+    (a,) = prompts([12])
+    torch.manual_seed(0)
+    out = model.generate(input_ids=a[None], past_key_values=kvshrink.make_cache("full", model), max_new_tokens=4,
+                         do_sample=False, num_beams=2, num_return_sequences=2, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = model.generate(input_ids=a[None], past_key_values=DynamicCache(), max_new_tokens=4, do_sample=False,
+                         num_beams=2, num_return_sequences=2, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_model_keeps_working_with_ordinary_caches_after_make_cache():
+    model = tiny_model("llama")
+    (a,) = prompts([16])
+    ref, _ = greedy(model, a[None], torch.ones(1, 16, dtype=torch.long), DynamicCache())
+    kvshrink.make_cache("full", model)
+    after, _ = greedy(model, a[None], torch.ones(1, 16, dtype=torch.long), DynamicCache())
+    assert torch.equal(ref, after)

@@ -1,0 +1,145 @@
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvshrink
+from kvshrink.cache.attention import exact_partial, merge_partials
+
+
+def tiny_llama(head_dim=16, layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                      max_position_embeddings=2048, rope_theta=10000.0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def prefill(model, cache, ids, mask=None):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, past_key_values=cache)
+
+
+def check_equivalence(cache, batch, seed=1):
+    """past_partials (blockwise from the packed store) == exact attention over the dequantized cache."""
+    ctx = cache._ctx
+    info = cache.info
+    g = torch.Generator().manual_seed(seed)
+    for layer in cache.layers:
+        q = torch.randn(batch, info.num_q_heads, 3, info.head_dim, generator=g) * 2
+        got = merge_partials(layer.past_partials(q, ctx))
+        keys, values, index = layer.dequantized(ctx)
+        want = exact_partial(q, keys, values, ctx.scaling, key_index=index, pad_len=ctx.pad_len)
+        torch.testing.assert_close(got.out, want.out, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got.lse, want.lse, atol=2e-5, rtol=1e-5)
+
+
+def test_attention_from_packed_store_equals_dequantized_attention():
+    model = tiny_llama()
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    prefill(model, cache, ids)
+    layer = cache.layers[0]
+    assert len(layer.head) == 4 and len(layer.window) == 16 and sum(b.n for b in layer.middle) == 280
+    check_equivalence(cache, 1)
+    # decode: tokens leaving the window go to the TurboQuant stream
+    with torch.no_grad():
+        for t in range(5):
+            model(torch.tensor([[t + 1]]), past_key_values=cache)
+    assert layer.stream.n == 5 and len(layer.window) == 16
+    check_equivalence(cache, 1, seed=2)
+    # the code-domain V path (few queries) and the dequantizing path (many) agree
+    block = layer.middle[0]
+    probs = torch.softmax(torch.randn(1, 2, 40, block.n), -1)
+    torch.testing.assert_close(layer.middle_values(block, probs[:, :, :2], 0, block.n),
+                               layer.middle_values(block, probs, 0, block.n)[:, :, :2], atol=1e-5, rtol=1e-5)
+
+
+def test_batch_with_left_padding_and_non_power_of_two_heads():
+    model = tiny_llama(head_dim=12)  # 12: rotation falls back to a random orthogonal matrix
+    cache = kvshrink.make_cache("shard", model, sinks=2, window=8, v_group=4, v_codebook=16)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (2, 150), generator=g)
+    mask = torch.ones(2, 150, dtype=torch.long)
+    mask[1, :20] = 0
+    prefill(model, cache, ids, mask)
+    assert len(cache.layers[0].head) == 22  # sinks after the longest padding
+    check_equivalence(cache, 2)
+    # row 1 (padded) gives the same logits as running it alone without padding, up to compression noise
+    def fresh():
+        return kvshrink.make_cache("shard", model, sinks=2, window=8, v_group=4, v_codebook=16)
+
+    out_b = prefill(model, fresh(), ids, mask)
+    out_1 = prefill(model, fresh(), ids[1:, 20:])
+    torch.testing.assert_close(out_b.logits[1, -1], out_1.logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_high_precision_shard_matches_full():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(5))
+    full = kvshrink.make_cache("full", model)
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, key_bits=8.0, stream_bits=8)
+    out_f, out_s = prefill(model, full, ids), prefill(model, shard, ids)
+    torch.testing.assert_close(out_s.logits, out_f.logits)  # prefill attention itself is exact
+    with torch.no_grad():
+        nxt = torch.tensor([[7]])
+        lf = model(nxt, past_key_values=full).logits
+        ls = model(nxt, past_key_values=shard).logits
+    # 8-bit keys, 2-bit VQ values: close but not equal
+    assert torch.nn.functional.cosine_similarity(lf.flatten(), ls.flatten(), dim=0) > 0.99
+    assert not torch.equal(lf, ls)
+
+
+def test_short_prompt_stays_exact_and_bytes_add_up():
+    model = tiny_llama()
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=64)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    prefill(model, cache, ids)
+    full = kvshrink.make_cache("full", model)
+    out_f = prefill(model, full, ids)
+    layer = cache.layers[0]
+    assert not layer.middle and layer.stream.n == 0
+    # fp16 exact store of fp32 model: exactly half the full cache's bytes
+    assert sum(l.nbytes() for l in cache.layers) == sum(l.nbytes() for l in full.layers) // 2
+    bd = cache.breakdown()
+    assert sum(bd.values()) == cache.nbytes()
+    assert cache.compression_ratio() == pytest.approx(1.0, rel=1e-2)  # + 8 bytes of bookkeeping
+
+
+def test_bytes_count_every_tensor():
+    model = tiny_llama()
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0)
+    ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
+    prefill(model, cache, ids)
+    layer = cache.layers[1]
+    block = layer.middle[0]
+    h, d, n = 2, 16, 480
+    expected = (4 + 16) * h * d * 2 * 2  # fp16 sinks + window, K and V
+    expected += sum(r[3].numel() for r in block.keys.runs)  # packed coefficients
+    expected += block.keys.rank * (2 + 2) + h * d * 2 + h * d * block.keys.rank  # steps, basis scales, mean, int8 basis
+    expected += n * h * (d // 4) + 256 * 4 * 2 + h * d * 2  # VQ indices, codebook, channel scales
+    assert layer.nbytes() == expected
+    bd = layer.breakdown()
+    assert bd["middle_v_codes"] == n * h * d // 4
+    # key coefficient bytes follow the budget: 2 bits per key element
+    assert bd["middle_k_codes"] <= n * h * d * 2 / 8
+
+
+@pytest.mark.parametrize("opts, match", [
+    ({"stream_bits": 5}, "stream_bits"),
+    ({"window": -1}, "window"),
+    ({"v_codebook": 100}, "power of two"),
+    ({"key_bits": 0}, "key_bits"),
+    ({"v_group": 5}, "v_group"),
+    ({"sinks": -2}, "sinks"),
+])
+def test_bad_options(opts, match):
+    with pytest.raises(ValueError, match=match):
+        kvshrink.make_cache("shard", tiny_llama(), **opts)
+
+
+def test_model_without_rope_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(NotImplementedError, match="RoPE|rotary|supports"):
+        kvshrink.make_cache("shard", model)
