@@ -98,6 +98,18 @@ def main() -> None:
                   f"warm_miss_rate={s['warm_miss_rate']:.3f} bytes_moved/token="
                   f"{s['bytes_moved'] / max(1, len(step_report(lc))):.0f} breakdown={lc.breakdown()}")
             lc.close()
+    if "disk" in parts:
+        import tempfile
+        for ids, number in prompts:
+            cpu, _, c1 = generate_timed(model, ids, "lrqk", args.new, top_k=args.top_k, slot_dtype=args.slot_dtype)
+            with tempfile.TemporaryDirectory() as folder:
+                disk, _, c2 = generate_timed(model, ids, "lrqk", args.new, top_k=args.top_k, slow_tier="disk",
+                                             disk_folder=folder, slot_dtype=args.slot_dtype)
+                print(f"disk T={ids.shape[1]} needle={number}: identical={torch.equal(cpu, disk)} "
+                      f"found cpu={number in tok.decode(cpu)} disk={number in tok.decode(disk)} "
+                      f"slow bytes cpu={c1.stats()['slow_tier_bytes']:.0f} disk={c2.stats()['slow_tier_bytes']:.0f}")
+                c2.close()
+                print(f"   folder empty after close: {not os.listdir(folder)}")
     if "policies" in parts:
         ids, _ = prompts[-1]
         for opts in ({"policy": "set"}, {"policy": "lru"}, {"policy": "attention"},

@@ -21,8 +21,7 @@ equals ``full`` (up to float rounding of the log-sum-exp merge).
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -204,10 +203,7 @@ class LRQKLayer(CacheLayer):
             k = k.reshape(b, hkv, stop - start, -1).to(query.device, non_blocking=True)
             v = v.reshape(b, hkv, stop - start, -1).to(query.device, non_blocking=True)
             index = torch.arange(start, stop, device=query.device)
-            # query_index masks nothing here (every past token precedes the chunk) but gives the mask
-            # a per-query row, the shape exact_partial expands correctly for q > 1.
-            parts.append(exact_partial(query, k, v, ctx.scaling, key_index=index, pad_len=ctx.pad_len,
-                                       query_index=ctx.new_index if ctx.pad_len is not None else None))
+            parts.append(exact_partial(query, k, v, ctx.scaling, key_index=index, pad_len=ctx.pad_len))
         return parts
 
     def _decode_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
@@ -263,8 +259,11 @@ class LRQKLayer(CacheLayer):
         return (a.reshape(b * f, -1, self.rank), keys.reshape(b * f, -1, keys.shape[-1]),
                 weight.reshape(b * f, -1))
 
-    def _select(self, ctx: StepContext, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-KV-head top-k of the tokens ``0..candidates-1`` by estimated attention mass."""
+    def _select(self, ctx: StepContext, candidates: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-KV-head top-k of the tokens ``0..candidates-1`` by estimated attention mass.
+
+        Returns the selected tokens and their mass (``[B·H_kv, k]``) and every candidate's mass
+        (``[B·H_kv, n]``, the proxy softmax summed over the query heads of the group)."""
         b, f = self.a_k.shape[:2]
         hkv = self.info.num_kv_heads
         a = self.a_k[:, :, :candidates].float()                    # [B, F, n, r]
@@ -276,15 +275,15 @@ class LRQKLayer(CacheLayer):
         mass = mass.reshape(b, hkv, self.copies, candidates, -1).sum(dim=(2, 4))   # [B, H_kv, n]
         k = min(self.top_k, candidates)
         top_mass, top_idx = torch.topk(mass, k, dim=-1, sorted=False)
-        return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k)
+        return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k), mass.reshape(b * hkv, candidates)
 
     def _topk_partial(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> Partial:
-        selected, mass = self._select(ctx, candidates)
+        selected, mass, all_mass = self._select(ctx, candidates)
         prefetched = self._take_prefetch()
         report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
         self._record(report)
         if self.prefetch_on:
-            self._start_prefetch(ctx, candidates, selected)
+            self._start_prefetch(all_mass, selected)
         if self.measure_recall:
             self._measure_recall(query, ctx, candidates, selected)
         return self._slot_partial(query, ctx, selected)
@@ -324,28 +323,19 @@ class LRQKLayer(CacheLayer):
         return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
 
     # ---- prefetch -----------------------------------------------------------------------------------
-    def _start_prefetch(self, ctx: StepContext, candidates: int, selected: torch.Tensor) -> None:
-        """Load, in the background, the best-ranked tokens just outside this step's top-k."""
-        extra = min(self.extra, candidates - selected.shape[1])
+    def _start_prefetch(self, mass: torch.Tensor, selected: torch.Tensor) -> None:
+        """Load, in the background, the best-ranked tokens just outside this step's top-k (they are
+        the likeliest to enter the next step's set); the copy overlaps the rest of the forward."""
+        extra = min(self.extra, mass.shape[1] - selected.shape[1])
         if extra <= 0:
             return
-        b, hkv = self.a_k.shape[0], self.info.num_kv_heads
-        mass = self._last_mass_for_prefetch(ctx, candidates)
-        mass.scatter_(1, selected, float("-inf"))
-        nxt = torch.topk(mass, extra, dim=-1).indices                 # [B·H_kv, extra]
-        rows = torch.arange(b * hkv, device=nxt.device)[:, None].expand_as(nxt)
+        outside = mass.scatter(1, selected, float("-inf"))
+        nxt = torch.topk(outside, extra, dim=-1).indices              # [B·H_kv, extra]
+        rows = torch.arange(nxt.shape[0], device=nxt.device)[:, None].expand_as(nxt)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lrqk-prefetch")
         slow = self.slow
         self._prefetched = (nxt, self._pool.submit(lambda: slow.gather(rows.reshape(-1), nxt.reshape(-1))))
-
-    def _last_mass_for_prefetch(self, ctx: StepContext, candidates: int) -> torch.Tensor:
-        b = self.a_k.shape[0]
-        hkv = self.info.num_kv_heads
-        a = self.a_k[:, :, :candidates].float()
-        logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling
-        mass = torch.softmax(logits, dim=2).reshape(b, hkv, self.copies, candidates, -1).sum(dim=(2, 4))
-        return mass.reshape(b * hkv, candidates)
 
     def _take_prefetch(self):
         if self._prefetched is None:
@@ -465,6 +455,10 @@ class LRQKLayer(CacheLayer):
         c = self.counters
         out = {k: float(v) for k, v in c.items()}
         out["miss_rate"] = c["missed_rows"] / c["selected_rows"] if c["selected_rows"] else 0.0
+        steps = max(1, c["decode_steps"])
+        # Per decode step of this layer; KVShrinkCache.stats() sums layers, giving per-token figures.
+        out["rows_moved_per_token"] = c["missed_rows"] / steps
+        out["bytes_moved_per_token"] = (c["bytes_moved"] + c["prefetch_bytes"]) / steps
         warm = self.step_log[1:]
         sel = sum(s for s, _, _ in warm)
         out["warm_miss_rate"] = sum(m for _, m, _ in warm) / sel if sel else 0.0
