@@ -65,6 +65,7 @@ OPTIONS = {
     "slot_dtype": Option("model", "dtype of the K/V rows in fast memory (slots, window): model or "
                                   "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
                          choices=("model", *_FACTOR_DTYPES)),
+    "fit_resident": Option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)"),
     "update_bases": Option(True, "take the line-search step on the bases at each decode step"),
     "seed": Option(0, "seed of the random initialisation of the factorization"),
     "measure_recall": Option(False, "diagnostic: record the exact attention mass the top-k captures "
@@ -99,7 +100,7 @@ class LRQKLayer(CacheLayer):
                  slow_tier: str = "cpu", disk_folder: str | None = None, policy: str = "set",
                  extra_slots: int | None = None, prefetch: bool = False, prefill_chunk: int | None = None,
                  factor_heads: str = "kv", factor_dtype: str = "float16", slot_dtype: str = "model",
-                 update_bases: bool = True,
+                 fit_resident: bool = True, update_bases: bool = True,
                  seed: int = 0, measure_recall: bool = False):
         super().__init__(spec)
         _validate(self.info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk)
@@ -121,6 +122,7 @@ class LRQKLayer(CacheLayer):
         self.factor_dtype = _FACTOR_DTYPES[factor_dtype]
         self.slot_dtype = None if slot_dtype == "model" else _FACTOR_DTYPES[slot_dtype]
         self.update_bases = update_bases
+        self.fit_resident = fit_resident
         self.seed = seed + 1000 * self.layer_idx
         self.measure_recall = measure_recall
         self._pool: ThreadPoolExecutor | None = None
@@ -227,7 +229,7 @@ class LRQKLayer(CacheLayer):
         key = self._pending[0]                                        # [B, H_kv, 1, d]
         q = self._factor_queries(query).reshape(b * f, -1, query.shape[-1])
         k = self._factor_keys(key).reshape(b * f, -1)
-        res_a, res_k, res_w = self._resident_rows(b, f)
+        res_a, res_k, res_w = self._resident_rows(b, f) if self.fit_resident else (None, None, None)
         q_hat, k_hat = decode_factor_vectors(q, k, self.b_q, self.b_k, resident_factors=res_a,
                                              resident_keys=res_k, resident_weight=res_w, lam=self.lam)
         if self.update_bases:
