@@ -32,9 +32,12 @@ def test_proxy_topk_recovers_most_attention_mass():
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4,
                        do_sample=False)
     s = cache.stats()
-    # Measured 2026-11-30: recall ~0.86 of the candidates' mass with 64 of ~600 tokens, oracle ~0.93.
+    print(f"recall={s['topk_mass_recall_rate']:.4f} oracle={s['topk_mass_oracle_rate']:.4f} "
+          f"fast/fp16={cache.nbytes() / cache.fp16_nbytes():.3f}")
+    # Measured 2026-11-30: recall 0.800 of the candidates' attention mass with 64 of ~600 tokens; the
+    # true per-KV-head top-64 (oracle) holds 0.836.
     assert s["topk_mass_recall_rate"] >= 0.75, s
-    assert s["topk_mass_recall_rate"] >= 0.85 * s["topk_mass_oracle_rate"], s
+    assert s["topk_mass_recall_rate"] >= 0.9 * s["topk_mass_oracle_rate"], s
     # Fast tier: key factors + 64 slots + 32 window; well under the fp16 full cache even at 700 tokens.
     assert cache.nbytes() < 0.6 * cache.fp16_nbytes()
     cache.close()
