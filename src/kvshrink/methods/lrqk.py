@@ -146,9 +146,9 @@ class LRQKLayer(CacheLayer):
 
     # ---- state ---------------------------------------------------------------------------------------
     def clear(self) -> None:
+        self._drain_prefetch()
         if getattr(self, "slow", None) is not None:
             self.slow.close()
-        self._drain_prefetch()
         self.slow: SlowTier | None = None
         self.slots: SlotTier | None = None
         self.win_k = self.win_v = None
@@ -350,10 +350,11 @@ class LRQKLayer(CacheLayer):
         return tokens, rows
 
     def _drain_prefetch(self) -> None:
+        """Wait for a background load whose rows are being discarded (its errors do not matter)."""
         pending = getattr(self, "_prefetched", None)
-        if pending is not None:
-            pending[1].result()
         self._prefetched = None
+        if pending is not None:
+            pending[1].exception()
 
     def _record(self, report) -> None:
         c = self.counters

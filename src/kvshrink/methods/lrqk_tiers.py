@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ class SlowTier:
         self.dtype = dtype
         self.length = 0
         self._data: torch.Tensor | None = None
+        # Prefetch gathers on a background thread while the model appends: growth must not interleave.
+        self._lock = threading.Lock()
 
     # ---- storage ---------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> torch.Tensor:
@@ -78,23 +81,26 @@ class SlowTier:
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store tokens ``key/value [B, H_kv, q, d]`` after the ones already held."""
         b, h, q, d = key.shape
-        self._reserve(self.length + q)
         rows = torch.stack([key, value], dim=2).reshape(b * h, 2, q, d).permute(2, 0, 1, 3)
-        self.data[self.length: self.length + q].copy_(rows.to(self.dtype))
-        self._after_write(self.length, self.length + q)
-        self.length += q
+        with self._lock:
+            self._reserve(self.length + q)
+            self.data[self.length: self.length + q].copy_(rows.to(self.dtype))
+            self._after_write(self.length, self.length + q)
+            self.length += q
 
     def read_range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens ``start..stop-1`` as ``[rows, n, d]`` host tensors."""
-        self._check(start, stop)
-        block = self.data[start:stop].permute(1, 2, 0, 3)              # [rows, 2, n, d]
+        with self._lock:
+            self._check(start, stop)
+            block = self.data[start:stop].permute(1, 2, 0, 3)          # [rows, 2, n, d]
         return block[:, 0], block[:, 1]
 
     def gather(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Rows ``(row[i], token[i])`` as ``[n, 2, d]`` (K and V), a fresh host tensor."""
-        flat = self.data.view(-1, 2, self.head_dim)
-        picked = flat.index_select(0, (token.long() * self.rows + row.long()).cpu())
-        self._check_rows(row, token, picked)
+        with self._lock:
+            flat = self.data.view(-1, 2, self.head_dim)
+            picked = flat.index_select(0, (token.long() * self.rows + row.long()).cpu())
+            self._check_rows(row, token, picked)
         return picked
 
     def nbytes(self) -> int:
