@@ -93,6 +93,9 @@ class CacheLayer(CacheLayerMixin):
 
     is_compileable = False
     method_name = "?"
+    # False when commit() needs nothing from the step's attention: a shared prefill (cache/fanout.py)
+    # then skips this layer's own attention computation.
+    commit_needs_attention = True
 
     def __init__(self, spec: LayerSpec):
         super().__init__()
@@ -162,6 +165,12 @@ class CacheLayer(CacheLayerMixin):
             return exact_partial(query, key, value, ctx.scaling)
         return exact_partial(query, key, value, ctx.scaling, key_index=ctx.new_index, query_index=ctx.new_index,
                              pad_len=ctx.pad_len)
+
+    def absorb_pending(self, ctx: StepContext) -> None:
+        """Commit the staged tokens without computing attention (shared prefill)."""
+        key, value = self._pending
+        self._pending = None
+        self.commit(key, value, ctx)
 
     def get_seq_length(self) -> int:
         return self.seen

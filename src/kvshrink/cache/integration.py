@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvshrink.cache.base import LayerHandle
+from kvshrink.cache.fanout import FanoutHandle, fanout_attention
 
 ATTENTION_NAME = "kvshrink"
 
@@ -20,6 +21,8 @@ ATTENTION_NAME = "kvshrink"
 def kvshrink_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
                        dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """The attention function transformers calls: ``(out [B, q, H_q, d], None)``."""
+    if isinstance(key, FanoutHandle):
+        return fanout_attention(module, query, key, attention_mask, scaling=scaling, **kwargs), None
     if not isinstance(key, LayerHandle):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)

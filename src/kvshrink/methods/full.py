@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.base import StepContext
+from kvshrink.cache.exact_layer import ExactLayer
 from kvshrink.cache.registry import register_method
-from kvshrink.cache.store import ExactStore, partial_or_none
 
 
 @register_method("full", "exact cache in the model's dtype (the reference)")
-class FullLayer(CacheLayer):
-    def __init__(self, spec: LayerSpec):
-        super().__init__(spec)
-        self.store = ExactStore()
-
-    def past_partials(self, query: torch.Tensor, ctx: StepContext):
-        return partial_or_none(self.store, query, ctx.scaling, ctx.pad_len)
-
+class FullLayer(ExactLayer):
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         self.store.append(key, value, ctx.new_index)
-
-    def nbytes(self) -> int:
-        return self.store.nbytes()
-
-    def breakdown(self) -> dict[str, int]:
-        return {"exact": self.nbytes()}
-
-    def clear(self) -> None:
-        self.store.reset()
 
     def crop(self, max_length: int) -> None:
         if max_length < 0:

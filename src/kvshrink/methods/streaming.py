@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.base import LayerSpec, StepContext
+from kvshrink.cache.exact_layer import ExactLayer
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.cache.store import ExactStore, partial_or_none
 
 
 def sinks_and_window(index: torch.Tensor, pad_len: torch.Tensor | None, sinks: int, window: int,
@@ -41,16 +41,12 @@ def sinks_and_window(index: torch.Tensor, pad_len: torch.Tensor | None, sinks: i
         "window": Option(1024, "most recent tokens kept"),
     },
 )
-class StreamingLayer(CacheLayer):
+class StreamingLayer(ExactLayer):
     def __init__(self, spec: LayerSpec, sinks: int = 4, window: int = 1024):
         super().__init__(spec)
         if sinks < 0 or window < 1:
             raise ValueError(f"streaming needs sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
         self.sinks, self.window = sinks, window
-        self.store = ExactStore()
-
-    def past_partials(self, query: torch.Tensor, ctx: StepContext):
-        return partial_or_none(self.store, query, ctx.scaling, ctx.pad_len)
 
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         self.store.append(key, value, ctx.new_index)
@@ -59,12 +55,3 @@ class StreamingLayer(CacheLayer):
         keep = sinks_and_window(index, ctx.pad_len, self.sinks, self.window, self.seen)
         if keep is not None:
             self.store.keep(keep)
-
-    def nbytes(self) -> int:
-        return self.store.nbytes()
-
-    def breakdown(self) -> dict[str, int]:
-        return {"exact": self.nbytes()}
-
-    def clear(self) -> None:
-        self.store.reset()
