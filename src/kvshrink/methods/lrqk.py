@@ -65,6 +65,8 @@ OPTIONS = {
     "slot_dtype": Option("model", "dtype of the K/V rows in fast memory (slots, window): model or "
                                   "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
                          choices=("model", *_FACTOR_DTYPES)),
+    "selection": Option("proxy", "proxy (LRQK) or exact (diagnostic: exact scores read from the slow tier, "
+                                 "the selection LRQK approximates)", choices=("proxy", "exact")),
     "fit_resident": Option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)"),
     "update_bases": Option(True, "take the line-search step on the bases at each decode step"),
     "seed": Option(0, "seed of the random initialisation of the factorization"),
@@ -100,7 +102,7 @@ class LRQKLayer(CacheLayer):
                  slow_tier: str = "cpu", disk_folder: str | None = None, policy: str = "set",
                  extra_slots: int | None = None, prefetch: bool = False, prefill_chunk: int | None = None,
                  factor_heads: str = "kv", factor_dtype: str = "float16", slot_dtype: str = "model",
-                 fit_resident: bool = True, update_bases: bool = True,
+                 selection: str = "proxy", fit_resident: bool = True, update_bases: bool = True,
                  seed: int = 0, measure_recall: bool = False):
         super().__init__(spec)
         _validate(self.info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk)
@@ -123,6 +125,7 @@ class LRQKLayer(CacheLayer):
         self.slot_dtype = None if slot_dtype == "model" else _FACTOR_DTYPES[slot_dtype]
         self.update_bases = update_bases
         self.fit_resident = fit_resident
+        self.exact_selection = selection == "exact"
         self.seed = seed + 1000 * self.layer_idx
         self.measure_recall = measure_recall
         self._pool: ThreadPoolExecutor | None = None
@@ -268,10 +271,16 @@ class LRQKLayer(CacheLayer):
         (``[B·H_kv, n]``, the proxy softmax summed over the query heads of the group)."""
         b, f = self.a_k.shape[:2]
         hkv = self.info.num_kv_heads
-        a = self.a_k[:, :, :candidates].float()                    # [B, F, n, r]
-        logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling   # [B, F, n, G/c]
+        if self.exact_selection:
+            keys, _ = self.slow.read_range(0, candidates)            # [B·H_kv, n, d]
+            keys = self._factor_keys(keys.reshape(b, hkv, candidates, -1)).float()
+            q = self._factor_queries(self._query).float()            # [B, F, G/c, d]
+            logits = (keys.to(q.device) @ q.transpose(-1, -2)) * ctx.scaling
+        else:
+            a = self.a_k[:, :, :candidates].float()                  # [B, F, n, r]
+            logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling   # [B, F, n, G/c]
         if ctx.pad_len is not None:
-            pad = torch.arange(candidates, device=a.device)[None, :] < ctx.pad_len.to(a.device)[:, None]
+            pad = torch.arange(candidates, device=logits.device)[None, :] < ctx.pad_len.to(logits.device)[:, None]
             logits = logits.masked_fill(pad[:, None, :, None], float("-inf"))
         mass = torch.softmax(logits, dim=2).nan_to_num(0.0)        # per query head, over candidates
         mass = mass.reshape(b, hkv, self.copies, candidates, -1).sum(dim=(2, 4))   # [B, H_kv, n]
