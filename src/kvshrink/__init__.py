@@ -6,6 +6,9 @@
     cache.compression_ratio()
 """
 
+# Import the methods package first: loading a submodule binds it as an attribute of its parent, so
+# importing it later (methods(), or `import kvshrink.methods.h2o`) would replace the methods() function.
+import kvshrink.methods  # noqa: E402,F401  (registers the built-in methods)
 from kvshrink.cache import CacheReuseError, KVShrinkCache, make_cache, methods, parse_method_spec
 from kvshrink.models import describe_model, load_model
 

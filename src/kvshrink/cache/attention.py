@@ -111,8 +111,9 @@ def _flash_partial(query, key, value, scaling, mask) -> Partial:
     """The CPU flash kernel, which also returns the log-sum-exp, on queries grouped per KV head."""
     b, hq, q, d = query.shape
     hkv = key.shape[1]
-    qg = group_queries(query, hkv)
-    k, v = key.to(qg.dtype), value.to(qg.dtype)
+    qg = group_queries(query, hkv).contiguous()
+    # the CPU flash kernel silently gives wrong results for non-contiguous inputs (e.g. transposed keys)
+    k, v = key.to(qg.dtype).contiguous(), value.to(qg.dtype).contiguous()
     bias = None
     if mask is not None:
         bias = torch.zeros(mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~mask, float("-inf"))

@@ -24,13 +24,14 @@ from kvshrink.cache.store import ExactStore, held_bytes
 _SCORE_BLOCK_ELEMENTS = 1 << 23
 
 
-def resolve_count(value: float, total: int, name: str) -> int:
-    """A count option that may be a fraction: ``value >= 1`` is a count, ``0 < value < 1`` a share of ``total``."""
+def resolve_counts(value: float, totals: torch.Tensor) -> torch.Tensor:
+    """A count option that may be a fraction, per row: ``value >= 1`` is a count, ``0 < value < 1`` a share
+    of ``totals`` (rounded up, at least 1); ``value == 0`` is zero."""
+    if value == 0:
+        return torch.zeros_like(totals, dtype=torch.long)
     if value >= 1:
-        if not float(value).is_integer():
-            raise ValueError(f"{name}={value}: a value >= 1 is a token count and must be a whole number")
-        return int(value)
-    return max(1, math.ceil(value * total))
+        return torch.full_like(totals, int(value), dtype=torch.long)
+    return torch.ceil(value * totals.double()).long().clamp(min=1)
 
 
 def check_count_option(value: float, name: str, allow_zero: bool = False) -> None:
@@ -73,7 +74,8 @@ class ScoredEvictionLayer(CacheLayer):
         ``visible [B*H_kv, qb]`` counts the real tokens each query row sees."""
         raise NotImplementedError
 
-    def choose(self, ctx: StepContext) -> torch.Tensor | None:
+    def choose(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(positions [B*H_kv, m], filler [B*H_kv, m])`` to keep (see :func:`select_per_row`), or None."""
         raise NotImplementedError
 
     # ---- attention with probabilities ----------------------------------------------------------------
@@ -148,19 +150,34 @@ class ScoredEvictionLayer(CacheLayer):
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         b, hkv, q, d = key.shape
         self.store.append(key.reshape(b * hkv, 1, q, d), value.reshape(b * hkv, 1, q, d), ctx.new_index)
-        keep = self.choose(ctx)
-        if keep is not None:
-            self.evicted += len(self.store) - keep.shape[1]
-            self.store.keep(keep)
-            self.score = torch.gather(self.score, 1, keep.long())
+        choice = self.choose(ctx)
+        if choice is None:
+            return
+        keep, filler = choice
+        self.evicted += len(self.store) - keep.shape[1]
+        self.store.keep(keep)
+        self.score = torch.gather(self.score, 1, keep.long())
+        if bool(filler.any()):
+            if ctx.pad_len is None:  # rows without padding share every budget, so never need fillers
+                raise RuntimeError("kvshrink: eviction needed filler slots in a batch without padding")
+            # index -1 reads as left padding: the slot is masked in attention and never chosen again
+            self.store.index = self.store.index.masked_fill(filler, -1)
 
-    def padding_tokens(self, ctx: StepContext) -> torch.Tensor | None:
-        """``[B*H_kv, n]`` True where a stored token is left padding (None without padding)."""
-        if ctx.pad_len is None:
-            return None
+    def padding_tokens(self, ctx: StepContext) -> torch.Tensor:
+        """``[B*H_kv, n]`` True where a stored token is left padding."""
         index = self.store.token_index()
-        index = index if index.dim() == 2 else index.unsqueeze(0)
+        index = index if index.dim() == 2 else index.unsqueeze(0).expand(self.score.shape[0], -1)
+        if ctx.pad_len is None:
+            return torch.zeros_like(index, dtype=torch.bool)
         return index < ctx.pad_len.repeat_interleave(self.info.num_kv_heads)[:, None]
+
+    def real_seen(self, ctx: StepContext) -> torch.Tensor:
+        """``[B*H_kv]`` real (non-padding) tokens each row has seen: what a fraction budget is a share of."""
+        rows = self.score.shape[0]
+        seen = torch.full((rows,), self.seen, dtype=torch.long, device=self.score.device)
+        if ctx.pad_len is None:
+            return seen
+        return seen - ctx.pad_len.repeat_interleave(self.info.num_kv_heads).to(seen.device)
 
     def past_partials(self, query: torch.Tensor, ctx: StepContext):  # attend() is overridden
         raise NotImplementedError("scored eviction layers compute attention in attend()")
@@ -180,22 +197,37 @@ class ScoredEvictionLayer(CacheLayer):
         self.evicted = 0
 
 
-def keep_top_and_recent(score: torch.Tensor, keep: int, recent: int,
-                        padding: torch.Tensor | None) -> torch.Tensor:
-    """Store positions ``[rows, keep]`` (ascending): the last ``recent`` tokens plus the ``keep - recent``
-    earlier tokens with the highest ``score``; padding tokens are chosen last."""
+def select_per_row(score: torch.Tensor, keep: torch.Tensor, recent: torch.Tensor,
+                   padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Store positions ``[rows, m]`` (ascending) to keep and which of them are fillers, or None when
+    nothing is evicted.
+
+    Row ``r`` chooses its last ``recent[r]`` real tokens plus the ``keep[r] - recent[r]`` earlier real
+    tokens with the highest ``score`` (as it would alone). Rows share one width ``m`` (the largest
+    choice); a row that chose fewer is topped up with fillers: its padding tokens, and only if it has
+    too few of those, its newest unchosen tokens. The caller masks fillers out for good, so each row
+    attends over exactly the tokens it would keep alone.
+    """
     rows, n = score.shape
-    recent = min(recent, keep)
-    older = n - recent
-    ranked = score[:, :older].float()
-    if padding is not None:
-        ranked = ranked.masked_fill(padding[:, :older], float("-inf"))
-    if keep > recent:
-        heavy = torch.topk(ranked, keep - recent, dim=1, sorted=False).indices
-    else:
-        heavy = torch.zeros(rows, 0, dtype=torch.long, device=score.device)
-    tail = torch.arange(older, n, device=score.device).expand(rows, recent)
-    return torch.sort(torch.cat([heavy, tail], dim=1), dim=1).values
+    real = ~padding
+    pos = torch.arange(n, device=score.device)
+    # rank of each real token counted from the newest (0 = newest)
+    from_newest = real.flip(1).long().cumsum(1).flip(1) - 1
+    recent = torch.minimum(recent, keep)
+    is_recent = real & (from_newest < recent[:, None])
+    candidate = real & ~is_recent
+    ranked = score.float().masked_fill(~candidate, float("-inf"))
+    order = torch.argsort(ranked, dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, pos.expand(rows, n))
+    chosen = is_recent | (candidate & (rank < (keep - recent)[:, None]))
+    m = int(chosen.sum(1).max())
+    if m >= n and bool((chosen | padding).all()):
+        return None
+    m = min(m, n)  # at m == n nothing is dropped, but a row's unchosen real tokens still become fillers
+    priority = chosen.float() * 4 + padding.float() * 2 + pos / (2.0 * n)
+    top = torch.topk(priority, m, dim=1, sorted=False).indices
+    top = torch.sort(top, dim=1).values
+    return top, ~torch.gather(chosen, 1, top)
 
 
 @register_method(
@@ -219,9 +251,6 @@ class H2OLayer(ScoredEvictionLayer):
         n = probs.shape[-1]
         self.score[:, :n] += probs.sum(dim=1)
 
-    def choose(self, ctx: StepContext) -> torch.Tensor | None:
-        keep = resolve_count(self.budget, self.seen, "budget")
-        if len(self.store) <= keep:
-            return None
-        recent = 0 if self.recent == 0 else resolve_count(self.recent, keep, "recent")
-        return keep_top_and_recent(self.score, keep, recent, self.padding_tokens(ctx))
+    def choose(self, ctx: StepContext):
+        keep = resolve_counts(self.budget, self.real_seen(ctx))
+        return select_per_row(self.score, keep, resolve_counts(self.recent, keep), self.padding_tokens(ctx))

@@ -97,7 +97,9 @@ class MeasuredQuantizedCache(QuantizedCache):
         return {"quantized": quantized, "exact": exact}
 
     def stats(self) -> dict[str, float]:
-        exact = sum(t.shape[-2] for t in self._exact(self.layers[0])[:1] if t.dim() == 4) if self.layers else 0
+        """Tokens per layer held exactly (the residual) and quantized."""
+        keys = getattr(self.layers[0], "keys", None)
+        exact = keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
         return {"exact_tokens": float(exact), "quantized_tokens": float(self.get_seq_length() - exact)}
 
     def summary(self) -> str:

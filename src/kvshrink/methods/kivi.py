@@ -110,6 +110,7 @@ def _slice_codes(c: GroupCode, dim: int, start: int, stop: int) -> GroupCode:
     },
 )
 class KiviLayer(CacheLayer):
+    commit_needs_attention = False  # quantizing needs only the keys and values
     def __init__(self, spec: LayerSpec, bits: int = 2, group: int = 32, residual: int = 128):
         super().__init__(spec)
         if group < 1 or residual < 0:

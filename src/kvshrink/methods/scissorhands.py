@@ -17,7 +17,7 @@ import torch
 
 from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.methods.h2o import ScoredEvictionLayer, check_count_option, keep_top_and_recent, resolve_count
+from kvshrink.methods.h2o import ScoredEvictionLayer, check_count_option, resolve_counts, select_per_row
 
 MAX_HISTORY = 62
 
@@ -72,14 +72,15 @@ class ScissorhandsLayer(ScoredEvictionLayer):
         bits = (important.long() << back.clamp(min=0)[None, :, None]).sum(dim=1)  # distinct bits: sum == or
         self.score[:, :n] |= bits
 
-    def choose(self, ctx: StepContext) -> torch.Tensor | None:
-        budget = resolve_count(self.budget, self.seen, "budget")
-        n = len(self.store)
-        if n <= budget:
-            return None
-        keep = max(1, budget - resolve_count(self.drop, budget, "drop"))
-        recent = 0 if self.recent == 0 else resolve_count(self.recent, budget, "recent")
+    def choose(self, ctx: StepContext):
+        padding = self.padding_tokens(ctx)
+        budget = resolve_counts(self.budget, self.real_seen(ctx))
+        stored = (~padding).sum(dim=1)
+        over = stored > budget  # a row drops a batch of tokens only once it exceeds its budget
+        keep = torch.where(over, (budget - resolve_counts(self.drop, budget)).clamp(min=1), stored)
+        recent = resolve_counts(self.recent, budget)
         counts = persistence_counts(self.score, self.history).float()
         # Equal counts: the newer token ranks higher (a bonus < 1 never outweighs one more hit).
+        n = counts.shape[1]
         ranked = counts + torch.arange(n, device=counts.device) / (2.0 * n)
-        return keep_top_and_recent(ranked, keep, recent, self.padding_tokens(ctx))
+        return select_per_row(ranked, keep, recent, padding)

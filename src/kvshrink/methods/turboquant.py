@@ -51,6 +51,7 @@ def _slice(c: TurboCode, start: int, stop: int) -> TurboCode:
     },
 )
 class TurboQuantLayer(CacheLayer):
+    commit_needs_attention = False  # quantizing needs only the keys and values
     def __init__(self, spec: LayerSpec, key_bits: int = 4, value_bits: int = 4, qjl: bool = False,
                  residual: int = 0):
         super().__init__(spec)
