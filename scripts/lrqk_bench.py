@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--depths", default="0.25,0.75")
     ap.add_argument("--parts", default="recall,niah,policies")
+    ap.add_argument("--slot-dtype", default="model")
+    ap.add_argument("--variants", action="store_true", help="recall: also the decode-update ablations")
+    ap.add_argument("--lrqk", default="", help="extra lrqk options for the niah part, e.g. measure_recall=true")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
     model, tok = kvshrink.load_model()
@@ -74,16 +77,19 @@ def main() -> None:
     prompts = [needle_prompt(tok, args.tokens, d, i) for i, d in enumerate(depths)]
     if "recall" in parts:
         ids, _ = prompts[0]
-        for heads in ("kv", "query"):
-            _, _, cache = generate_timed(model, ids, "lrqk", 8, top_k=args.top_k, factor_heads=heads,
-                                         measure_recall=True)
+        variants = [{"factor_heads": "kv"}, {"factor_heads": "query"}, {"update_bases": False},
+                    {"fit_resident": False}, {"fit_resident": False, "update_bases": False}, {"rank": 32}]
+        for opts in variants if args.variants else variants[:2]:
+            _, _, cache = generate_timed(model, ids, "lrqk", 8, top_k=args.top_k, measure_recall=True, **opts)
             s = cache.stats()
-            print(f"recall factor_heads={heads} top_k={args.top_k} T={ids.shape[1]}: "
+            print(f"recall {opts} top_k={args.top_k} T={ids.shape[1]}: "
                   f"mass={s['topk_mass_recall_rate']:.4f} (oracle top-k {s['topk_mass_oracle_rate']:.4f}) key_factor_bytes={cache.breakdown()['key_factors']}")
     if "niah" in parts:
         for (ids, number), depth in zip(prompts, depths):
             ref, ms_full, fc = generate_timed(model, ids, "full", args.new)
-            got, ms_lrqk, lc = generate_timed(model, ids, "lrqk", args.new, top_k=args.top_k)
+            extra = kvshrink.parse_method_spec("lrqk:" + args.lrqk)[1]
+            got, ms_lrqk, lc = generate_timed(model, ids, "lrqk", args.new, top_k=args.top_k,
+                                              slot_dtype=args.slot_dtype, **extra)
             a_ref, a_got = tok.decode(ref), tok.decode(got)
             agree = float((ref == got).float().mean())
             s = lc.stats()
@@ -95,7 +101,21 @@ def main() -> None:
                   f"slow={s['slow_tier_bytes']:.0f} miss_rate={s['miss_rate']:.3f} "
                   f"warm_miss_rate={s['warm_miss_rate']:.3f} bytes_moved/token="
                   f"{s['bytes_moved'] / max(1, len(step_report(lc))):.0f} breakdown={lc.breakdown()}")
+            if "topk_mass_recall_rate" in s:
+                print(f"   topk mass recall={s['topk_mass_recall_rate']:.4f} oracle={s['topk_mass_oracle_rate']:.4f}")
             lc.close()
+    if "disk" in parts:
+        import tempfile
+        for ids, number in prompts:
+            cpu, _, c1 = generate_timed(model, ids, "lrqk", args.new, top_k=args.top_k, slot_dtype=args.slot_dtype)
+            with tempfile.TemporaryDirectory() as folder:
+                disk, _, c2 = generate_timed(model, ids, "lrqk", args.new, top_k=args.top_k, slow_tier="disk",
+                                             disk_folder=folder, slot_dtype=args.slot_dtype)
+                print(f"disk T={ids.shape[1]} needle={number}: identical={torch.equal(cpu, disk)} "
+                      f"found cpu={number in tok.decode(cpu)} disk={number in tok.decode(disk)} "
+                      f"slow bytes cpu={c1.stats()['slow_tier_bytes']:.0f} disk={c2.stats()['slow_tier_bytes']:.0f}")
+                c2.close()
+                print(f"   folder empty after close: {not os.listdir(folder)}")
     if "policies" in parts:
         ids, _ = prompts[-1]
         for opts in ({"policy": "set"}, {"policy": "lru"}, {"policy": "attention"},

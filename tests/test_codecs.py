@@ -190,6 +190,19 @@ def test_pca_code_error_matches_model():
     torch.testing.assert_close(code.decode(100, 200), code.decode()[100:200])
 
 
+def test_pca_lloyd_levels_beat_uniform_at_low_bits():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 16, generator=g) * torch.linspace(3, 0.5, 16)
+    fit = fit_pca(x, 16)
+    for bits in (2, 4):
+        uni = (encode_pca(x, fit, [bits] * 16).decode() - x).pow(2).mean()
+        code = encode_pca(x, fit, [bits] * 16, levels="lloyd")
+        llo = (code.decode() - x).pow(2).mean()
+        assert llo < (0.75 if bits == 2 else 0.95) * uni, (bits, llo, uni)
+        torch.testing.assert_close(code.decode(10, 20), code.decode()[10:20])
+        torch.testing.assert_close(code.decode(), code.coefficients() @ code.basis().T + code.mean.float())
+
+
 def test_pca_spread_scaling_beats_absmax_at_2_bits():
     g = torch.Generator().manual_seed(0)
     x = torch.distributions.StudentT(4.0).sample((4000, 8))  # heavy tails, like PCA coefficients

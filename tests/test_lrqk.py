@@ -250,3 +250,13 @@ def test_unwritable_disk_folder_is_refused(tiny_llama, tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="writable"):
         kvshrink.make_cache("lrqk", tiny_llama, slow_tier="disk", disk_folder=str(blocker / "sub"))
+
+
+def test_exact_selection_reaches_the_oracle_mass(tiny_llama):
+    ids, mask = _batch(seed=11, length=80)
+    _, exact = _generate(tiny_llama, "lrqk", ids, mask, new=4, top_k=8, window=4, selection="exact",
+                         measure_recall=True)
+    _, proxy = _generate(tiny_llama, "lrqk", ids, mask, new=4, top_k=8, window=4, measure_recall=True)
+    e, p = exact.stats(), proxy.stats()
+    assert e["topk_mass_recall_rate"] == pytest.approx(e["topk_mass_oracle_rate"], abs=1e-5)
+    assert p["topk_mass_recall_rate"] <= p["topk_mass_oracle_rate"] + 1e-5

@@ -33,9 +33,10 @@ def check_equivalence(cache, batch, seed=1):
         torch.testing.assert_close(got.lse, want.lse, atol=2e-5, rtol=1e-5)
 
 
-def test_attention_from_packed_store_equals_dequantized_attention():
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_attention_from_packed_store_equals_dequantized_attention(scope):
     model = tiny_llama()
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100)
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100, pca_scope=scope)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[0]
@@ -107,15 +108,16 @@ def test_short_prompt_stays_exact_and_bytes_add_up():
 
 def test_bytes_count_every_tensor():
     model = tiny_llama()
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0)
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, pca_scope="layer")
     ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[1]
     block = layer.middle[0]
     h, d, n = 2, 16, 480
     expected = (4 + 16) * h * d * 2 * 2  # fp16 sinks + window, K and V
-    expected += sum(r[3].numel() for r in block.keys.runs)  # packed coefficients
-    expected += block.keys.rank * (2 + 2) + h * d * 2 + h * d * block.keys.rank  # steps, basis scales, mean, int8 basis
+    code = block.keys[0]
+    expected += sum(r[3].numel() for r in code.runs)  # packed coefficients
+    expected += code.rank * (2 + 2) + h * d * 2 + h * d * code.rank  # steps, basis scales, mean, int8 basis
     expected += n * h * (d // 4) + 256 * 4 * 2 + h * d * 2  # VQ indices, codebook, channel scales
     assert layer.nbytes() == expected
     bd = layer.breakdown()
@@ -143,3 +145,29 @@ def test_model_without_rope_is_refused():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
     with pytest.raises(NotImplementedError, match="RoPE|rotary|supports"):
         kvshrink.make_cache("shard", model)
+
+
+def test_global_key_budget_follows_spectra():
+    from kvshrink.methods.shard import allocate_layer_budgets
+
+    dim = 32
+    steep = torch.tensor([0.5 ** i for i in range(dim)])  # very low-rank layer
+    flat = torch.linspace(1.0, 0.5, dim)  # flat spectrum
+    budgets = allocate_layer_budgets([steep, flat, steep], key_bits=2.0, group=4)
+    assert sum(budgets) / 3 <= 2.0 + 1e-9
+    assert sum(budgets) / 3 > 1.5  # the pool is spent
+    assert budgets[1] > budgets[0] == budgets[2]
+
+
+def test_global_allocation_builds_per_layer_budgets_on_a_model():
+    model = tiny_llama(layers=3)
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_alloc="global", key_bits=2.0,
+                                calibration_tokens=64)
+    budgets = cache.layers[0].shared.layer_key_bits
+    assert len(budgets) == 3 and sum(budgets) / 3 <= 2.0 + 1e-9
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    prefill(model, cache, ids)
+    check_equivalence(cache, 1)
+    for layer, bits in zip(cache.layers, budgets):
+        k_bits = layer.breakdown()["middle_k_codes"] * 8 / (180 * 2 * 16)
+        assert k_bits <= bits + 0.5  # + byte rounding of each packed run

@@ -214,8 +214,7 @@ def decode_factor_vectors(query: Tensor, key: Tensor, b_q: Tensor, b_k: Tensor, 
         lhs_q_base = lhs_q_base + a.transpose(-1, -2) @ a
         exact_scores = q @ kr.transpose(-1, -2)                    # [N,G,S]
         rhs_q_base = rhs_q_base + exact_scores @ a                 # Σ_j (q·K_j) A_j (weighted)
-    # Least-squares start: q̂ = q B_Q⁺, k̂ = k B_K⁺.
-    q_hat = _ridge_solve(bq_gram, (q @ bq.transpose(-1, -2)).transpose(-1, -2)).transpose(-1, -2)
+    # Least-squares start k̂ = k B_K⁺ (the first update of q̂ needs only k̂).
     k_hat = _ridge_solve(bk_gram, (bk @ k.unsqueeze(-1))).squeeze(-1)
     for _ in range(iters):
         kk = k_hat.unsqueeze(-1) @ k_hat.unsqueeze(-2)             # [N,r,r]

@@ -10,9 +10,11 @@ symmetric integer coefficients.
   ``sum(size * bits) <= budget``. Exact DP over the budget in units of the gcd of the costs. Several
   layers can share one pool: pass all their groups at once.
 * `encode_pca(x, fit, bits_per_group)`: int8 basis with a per-column scale, coefficients as symmetric
-  integers ``[-(2**(b-1)-1), 2**(b-1)-1]`` with a per-component step scaled from the component's
-  spread (the Gaussian-optimal uniform step times its standard deviation, then the best of a few
-  multipliers on a sample; absmax scaling wasted most levels on the tails), bit-packed per group.
+  integers ``[-(2**(b-1)-1), 2**(b-1)-1]`` (``levels="uniform"``, the source's int4) or as the
+  ``2**b`` Lloyd-Max levels of a Gaussian (``levels="lloyd"``), with a per-component step scaled from
+  the component's spread (the Gaussian-optimal step times its standard deviation, then the best of a
+  few multipliers on a sample; absmax scaling wasted most levels on the tails), bit-packed per run of
+  components with equal bits.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import torch
 from .bitpack import pack_bits, unpack_bits
 
 __all__ = [
-    "PCAFit", "fit_pca", "group_sizes", "group_variances", "allocate_bits", "modelled_error",
+    "COEFF_LEVELS", "unit_levels", "PCAFit", "fit_pca", "group_sizes", "group_variances", "allocate_bits", "modelled_error",
     "PCA_BITS", "gaussian_uniform_step", "PCACode", "encode_pca", "quantize_basis",
 ]
 
 PCA_BITS = (0, 2, 4, 6, 8)
-_SCALE_MULTIPLIERS = (0.6, 0.75, 0.9, 1.0, 1.15, 1.35, 1.6)
+_SCALE_MULTIPLIERS = (0.7, 0.85, 1.0, 1.2, 1.45)
 
 
 @dataclass
@@ -156,6 +158,50 @@ def gaussian_uniform_step(bits: int) -> float:
     return (lo + hi) / 2
 
 
+COEFF_LEVELS = ("uniform", "lloyd")
+
+
+def unit_levels(bits: int, kind: str, device=None) -> torch.Tensor:
+    """Reconstruction value of each code ``0 .. 2**bits-1`` for a unit step.
+
+    ``uniform``: symmetric integers ``code - qmax`` (``2**bits - 1`` levels used, as int4 in [-7, 7]);
+    ``lloyd``: the ``2**bits`` Lloyd-Max levels of a unit Gaussian (the step is then the component's
+    scale): one more level and non-uniform spacing, which matters most at 2 bits (4 levels, not 3).
+    """
+    if kind == "uniform":
+        return torch.arange(1 << bits, dtype=torch.float32, device=device) - ((1 << (bits - 1)) - 1)
+    if kind == "lloyd":
+        from .lloyd_max import lloyd_max_centroids
+
+        return lloyd_max_centroids(bits, device=device)
+    raise ValueError(f"coefficient levels must be one of {COEFF_LEVELS}, got {kind!r}")
+
+
+@functools.lru_cache(maxsize=32)
+def _byte_level_table(bits: int, levels: str, device: str) -> torch.Tensor:
+    """``[256, 8 // bits]``: the levels of the codes packed in each byte value (`pack_bits` order)."""
+    per = 8 // bits
+    byte = torch.arange(256, device=device).unsqueeze(1)
+    codes = (byte >> (torch.arange(per, device=device) * bits)) & ((1 << bits) - 1)
+    return unit_levels(bits, levels, device)[codes]
+
+
+def _quantize_unit(z: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
+    """Codes of ``z`` (coefficients divided by their step) for `unit_levels`."""
+    if kind == "uniform":
+        qmax = (1 << (bits - 1)) - 1
+        return torch.clamp(torch.round(z), -qmax, qmax).long() + qmax
+    levels = unit_levels(bits, kind, z.device)
+    bounds = (levels[1:] + levels[:-1]) / 2
+    if bits > 4:
+        return torch.bucketize(z.contiguous(), bounds)
+    # Few boundaries: counting the ones below is faster than a binary search on CPU.
+    codes = torch.zeros(z.shape, dtype=torch.uint8, device=z.device)
+    for b in bounds.tolist():
+        codes += z > b
+    return codes.long()
+
+
 def quantize_basis(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 basis with one fp16 scale per column (absmax / 127)."""
     scale = basis.abs().amax(dim=0).clamp_min(1e-12) / 127
@@ -176,6 +222,7 @@ class PCACode:
     basis_scale: torch.Tensor  # [r_kept] fp16
     coeff_step: torch.Tensor  # [r_kept] fp16
     runs: list = field(default_factory=list)
+    levels: str = "uniform"
     n: int = 0
     lead_shape: tuple = ()  # leading dims of the coded rows (e.g. batch)
 
@@ -198,37 +245,53 @@ class PCACode:
     def coefficients(self, start: int = 0, stop: int | None = None, dtype=torch.float32) -> torch.Tensor:
         """Dequantized coefficients of rows ``start:stop`` -> ``[..., n, r_kept]``."""
         stop = self.n if stop is None else stop
-        cols = []
-        for bits, a, b, packed in self.runs:
-            qmax = (1 << (bits - 1)) - 1
-            cols.append(unpack_bits(packed[..., start:stop, :], bits, b - a).to(dtype) - qmax)
+        cols = [self._run_levels(run, start, stop, dtype) for run in self.runs]
         if not cols:
             return torch.zeros(*self.lead_shape, stop - start, 0, dtype=dtype, device=self.mean.device)
         return torch.cat(cols, dim=-1) * self.coeff_step.to(dtype)
 
+    def _run_levels(self, run, start: int, stop: int, dtype) -> torch.Tensor:
+        bits, a, b, packed = run
+        rows = packed[..., start:stop, :]
+        if 8 % bits == 0:  # one gather per byte: a table from byte value to its codes' levels
+            table = _byte_level_table(bits, self.levels, str(packed.device)).to(dtype)
+            out = table[rows.long()]  # [..., n, bytes, 8/bits]
+            return out.reshape(*out.shape[:-2], -1)[..., : b - a]
+        codes = unpack_bits(rows, bits, b - a)
+        return unit_levels(bits, self.levels, packed.device).to(dtype)[codes]
+
     def decode(self, start: int = 0, stop: int | None = None, dtype=torch.float32) -> torch.Tensor:
-        """Reconstructed rows ``[..., n, D]`` (only rows ``start:stop``: decode block by block)."""
-        c = self.coefficients(start, stop, dtype)
-        return c @ self.basis(dtype).T + self.mean.to(dtype)
+        """Reconstructed rows ``[..., n, D]`` (only rows ``start:stop``: decode block by block).
+
+        The per-component steps are folded into the basis, one product per run of equal bits."""
+        stop = self.n if stop is None else stop
+        scaled = (self.basis(dtype) * self.coeff_step.to(dtype)).T  # [r_kept, D]
+        out = self.mean.to(dtype).expand(*self.lead_shape, stop - start, self.mean.shape[0])
+        for run in self.runs:
+            out = out + self._run_levels(run, start, stop, dtype) @ scaled[run[1]:run[2]]
+        return out
 
 
-def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, qmax: int, sample: int = 4096) -> torch.Tensor:
+def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels: str,
+                sample: int = 1024) -> torch.Tensor:
     """Per component, the multiple of ``base_step`` with the least squared error on a row sample."""
     rows = coeffs.reshape(-1, coeffs.shape[-1])
     if rows.shape[0] > sample:
         rows = rows[torch.linspace(0, rows.shape[0] - 1, sample, device=rows.device).long()]
     mults = torch.tensor(_SCALE_MULTIPLIERS, device=rows.device, dtype=rows.dtype)
     steps = base_step.unsqueeze(0) * mults.unsqueeze(1)  # [M, r]
-    q = torch.clamp(torch.round(rows.unsqueeze(0) / steps.unsqueeze(1)), -qmax, qmax) * steps.unsqueeze(1)
+    table = unit_levels(bits, levels, rows.device)
+    q = table[_quantize_unit(rows.unsqueeze(0) / steps.unsqueeze(1), bits, levels)] * steps.unsqueeze(1)
     err = (rows.unsqueeze(0) - q).pow(2).sum(1)  # [M, r]
     return steps.gather(0, err.argmin(0, keepdim=True)).squeeze(0)
 
 
 def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | torch.Tensor,
-               fit_rows: torch.Tensor | None = None) -> PCACode:
+               fit_rows: torch.Tensor | None = None, levels: str = "uniform") -> PCACode:
     """Code rows ``x`` ``[..., N, D]`` with ``fit``; component ``i`` gets ``bits_per_component[i]``
     bits (0 = dropped). ``fit_rows`` (bool ``[..., N]``) marks the rows used to choose the steps
-    (e.g. excluding padding); default all."""
+    (e.g. excluding padding); default all. ``levels``: see `unit_levels`."""
+    unit_levels(2, levels)  # validates the name
     bits = [int(b) for b in bits_per_component]
     if len(bits) != fit.basis.shape[1]:
         raise ValueError(f"need {fit.basis.shape[1]} bit widths, got {len(bits)}")
@@ -253,15 +316,14 @@ def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | tor
         stop = start
         while stop < len(kept_bits) and kept_bits[stop] == b:
             stop += 1
-        qmax = (1 << (b - 1)) - 1
-        base = std[start:stop] * gaussian_uniform_step(b)
-        steps[start:stop] = _best_steps(sample.reshape(-1, coeffs.shape[-1])[:, start:stop], base, qmax) \
+        base = std[start:stop] * (gaussian_uniform_step(b) if levels == "uniform" else 1.0)
+        steps[start:stop] = _best_steps(sample.reshape(-1, coeffs.shape[-1])[:, start:stop], base, b, levels) \
             if sample.numel() else base
         step16 = steps[start:stop].to(torch.float16).float()
         steps[start:stop] = step16
-        q = torch.clamp(torch.round(coeffs[..., start:stop] / step16), -qmax, qmax).long() + qmax
+        q = _quantize_unit(coeffs[..., start:stop] / step16, b, levels)
         runs.append((b, start, stop, pack_bits(q, b)))
         start = stop
     return PCACode(mean=mean16, basis_q=basis_q, basis_scale=basis_scale,
-                   coeff_step=steps.to(torch.float16), runs=runs, n=x.shape[-2],
+                   coeff_step=steps.to(torch.float16), runs=runs, levels=levels, n=x.shape[-2],
                    lead_shape=tuple(x.shape[:-2]))

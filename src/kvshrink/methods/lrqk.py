@@ -21,8 +21,7 @@ equals ``full`` (up to float rounding of the log-sum-exp merge).
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -63,6 +62,12 @@ OPTIONS = {
     "prefill_chunk": Option(None, "block of past tokens read at once by chunked-prefill attention", type=int),
     "factor_heads": Option("kv", "key factors per KV head (kv) or per query head (query)", choices=FACTOR_HEADS),
     "factor_dtype": Option("float16", "dtype of the stored key factors", choices=tuple(_FACTOR_DTYPES)),
+    "slot_dtype": Option("model", "dtype of the K/V rows in fast memory (slots, window): model or "
+                                  "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
+                         choices=("model", *_FACTOR_DTYPES)),
+    "selection": Option("proxy", "proxy (LRQK) or exact (diagnostic: exact scores read from the slow tier, "
+                                 "the selection LRQK approximates)", choices=("proxy", "exact")),
+    "fit_resident": Option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)"),
     "update_bases": Option(True, "take the line-search step on the bases at each decode step"),
     "seed": Option(0, "seed of the random initialisation of the factorization"),
     "measure_recall": Option(False, "diagnostic: record the exact attention mass the top-k captures "
@@ -96,7 +101,8 @@ class LRQKLayer(CacheLayer):
                  iters: int = 2, tol: float = 1e-2, lam: float = 1.0, fast_device: str = "auto",
                  slow_tier: str = "cpu", disk_folder: str | None = None, policy: str = "set",
                  extra_slots: int | None = None, prefetch: bool = False, prefill_chunk: int | None = None,
-                 factor_heads: str = "kv", factor_dtype: str = "float16", update_bases: bool = True,
+                 factor_heads: str = "kv", factor_dtype: str = "float16", slot_dtype: str = "model",
+                 selection: str = "proxy", fit_resident: bool = True, update_bases: bool = True,
                  seed: int = 0, measure_recall: bool = False):
         super().__init__(spec)
         _validate(self.info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk)
@@ -109,12 +115,17 @@ class LRQKLayer(CacheLayer):
         self.fast_device_option = fast_device
         self.slow_kind, self.disk_folder = slow_tier, disk_folder
         self.policy, self.prefetch_on = policy, prefetch
-        needs_extra = policy != "set" or prefetch
-        self.extra = (extra_slots if extra_slots is not None else top_k // 4) if needs_extra else 0
+        # lru/attention keep `extra` rows beyond the selection in slots; prefetch stages `extra` rows
+        # outside the slots, so `set` keeps exactly top_k slots with or without prefetch.
+        self.extra = extra_slots if extra_slots is not None else top_k // 4
+        self.slot_extra = self.extra if policy != "set" else 0
         self.block = prefill_chunk or 1024
         self.per_query_head = factor_heads == "query"
         self.factor_dtype = _FACTOR_DTYPES[factor_dtype]
+        self.slot_dtype = None if slot_dtype == "model" else _FACTOR_DTYPES[slot_dtype]
         self.update_bases = update_bases
+        self.fit_resident = fit_resident
+        self.exact_selection = selection == "exact"
         self.seed = seed + 1000 * self.layer_idx
         self.measure_recall = measure_recall
         self._pool: ThreadPoolExecutor | None = None
@@ -138,9 +149,9 @@ class LRQKLayer(CacheLayer):
 
     # ---- state ---------------------------------------------------------------------------------------
     def clear(self) -> None:
+        self._drain_prefetch()
         if getattr(self, "slow", None) is not None:
             self.slow.close()
-        self._drain_prefetch()
         self.slow: SlowTier | None = None
         self.slots: SlotTier | None = None
         self.win_k = self.win_v = None
@@ -152,7 +163,6 @@ class LRQKLayer(CacheLayer):
         self._query: torch.Tensor | None = None
         self._k_hat: torch.Tensor | None = None
         self._prefetched = None
-        self._last_selected: torch.Tensor | None = None
         self.counters = {"decode_steps": 0, "selected_rows": 0, "missed_rows": 0, "bytes_moved": 0,
                          "prefetch_rows": 0, "prefetch_hits": 0, "prefetch_bytes": 0,
                          "recall_sum": 0.0, "oracle_sum": 0.0, "recall_count": 0}
@@ -175,7 +185,8 @@ class LRQKLayer(CacheLayer):
         b, hkv, _, d = key.shape
         self.slow = make_slow_tier(self.slow_kind, b * hkv, d, key.dtype, self.disk_folder)
         device = self._fast_device(key)
-        self.slots = SlotTier(b * hkv, self.top_k + self.extra, d, key.dtype, device, self.policy)
+        self.slots = SlotTier(b * hkv, self.top_k + self.slot_extra, d, self.slot_dtype or key.dtype, device,
+                              self.policy)
 
     # ---- attention -----------------------------------------------------------------------------------
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
@@ -197,10 +208,7 @@ class LRQKLayer(CacheLayer):
             k = k.reshape(b, hkv, stop - start, -1).to(query.device, non_blocking=True)
             v = v.reshape(b, hkv, stop - start, -1).to(query.device, non_blocking=True)
             index = torch.arange(start, stop, device=query.device)
-            # query_index masks nothing here (every past token precedes the chunk) but gives the mask
-            # a per-query row, the shape exact_partial expands correctly for q > 1.
-            parts.append(exact_partial(query, k, v, ctx.scaling, key_index=index, pad_len=ctx.pad_len,
-                                       query_index=ctx.new_index if ctx.pad_len is not None else None))
+            parts.append(exact_partial(query, k, v, ctx.scaling, key_index=index, pad_len=ctx.pad_len))
         return parts
 
     def _decode_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
@@ -224,7 +232,7 @@ class LRQKLayer(CacheLayer):
         key = self._pending[0]                                        # [B, H_kv, 1, d]
         q = self._factor_queries(query).reshape(b * f, -1, query.shape[-1])
         k = self._factor_keys(key).reshape(b * f, -1)
-        res_a, res_k, res_w = self._resident_rows(b, f)
+        res_a, res_k, res_w = self._resident_rows(b, f) if self.fit_resident else (None, None, None)
         q_hat, k_hat = decode_factor_vectors(q, k, self.b_q, self.b_k, resident_factors=res_a,
                                              resident_keys=res_k, resident_weight=res_w, lam=self.lam)
         if self.update_bases:
@@ -248,39 +256,45 @@ class LRQKLayer(CacheLayer):
         # Ω = what the paper's fast memory holds: last step's selection and the window. Extra slots
         # kept by lru/attention are left out so the policy changes data movement, never answers.
         attended = tok >= 0
-        if self._last_selected is not None:
-            last = slots.selected_index(self._last_selected, _NEVER) != _NEVER
-            last = last.reshape(b, -1, slots.capacity).repeat_interleave(self.copies, dim=1)
-            attended[:, :, : slots.capacity] &= last
+        last = slots.chosen.reshape(b, -1, slots.capacity)        # last step's selection
+        attended[:, :, : slots.capacity] &= last.repeat_interleave(self.copies, dim=1) if self.copies > 1 else last
         weight = attended.float()
         a = torch.gather(self.a_k[:, :, : self.a_len], 2,
                          tok.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.rank).to(self.a_k.device))
         return (a.reshape(b * f, -1, self.rank), keys.reshape(b * f, -1, keys.shape[-1]),
                 weight.reshape(b * f, -1))
 
-    def _select(self, ctx: StepContext, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-KV-head top-k of the tokens ``0..candidates-1`` by estimated attention mass."""
+    def _select(self, ctx: StepContext, candidates: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-KV-head top-k of the tokens ``0..candidates-1`` by estimated attention mass.
+
+        Returns the selected tokens and their mass (``[B·H_kv, k]``) and every candidate's mass
+        (``[B·H_kv, n]``, the proxy softmax summed over the query heads of the group)."""
         b, f = self.a_k.shape[:2]
         hkv = self.info.num_kv_heads
-        a = self.a_k[:, :, :candidates].float()                    # [B, F, n, r]
-        logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling   # [B, F, n, G/c]
+        if self.exact_selection:
+            keys, _ = self.slow.read_range(0, candidates)            # [B·H_kv, n, d]
+            keys = self._factor_keys(keys.reshape(b, hkv, candidates, -1)).float()
+            q = self._factor_queries(self._query).float()            # [B, F, G/c, d]
+            logits = (keys.to(q.device) @ q.transpose(-1, -2)) * ctx.scaling
+        else:
+            a = self.a_k[:, :, :candidates].float()                  # [B, F, n, r]
+            logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling   # [B, F, n, G/c]
         if ctx.pad_len is not None:
-            pad = torch.arange(candidates, device=a.device)[None, :] < ctx.pad_len.to(a.device)[:, None]
+            pad = torch.arange(candidates, device=logits.device)[None, :] < ctx.pad_len.to(logits.device)[:, None]
             logits = logits.masked_fill(pad[:, None, :, None], float("-inf"))
         mass = torch.softmax(logits, dim=2).nan_to_num(0.0)        # per query head, over candidates
         mass = mass.reshape(b, hkv, self.copies, candidates, -1).sum(dim=(2, 4))   # [B, H_kv, n]
         k = min(self.top_k, candidates)
         top_mass, top_idx = torch.topk(mass, k, dim=-1, sorted=False)
-        return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k)
+        return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k), mass.reshape(b * hkv, candidates)
 
     def _topk_partial(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> Partial:
-        selected, mass = self._select(ctx, candidates)
+        selected, mass, all_mass = self._select(ctx, candidates)
         prefetched = self._take_prefetch()
         report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
-        self._last_selected = selected
         self._record(report)
         if self.prefetch_on:
-            self._start_prefetch(ctx, candidates, selected)
+            self._start_prefetch(all_mass, selected)
         if self.measure_recall:
             self._measure_recall(query, ctx, candidates, selected)
         return self._slot_partial(query, ctx, selected)
@@ -312,7 +326,7 @@ class LRQKLayer(CacheLayer):
         b, hq, q, d = query.shape
         hkv, slots = self.info.num_kv_heads, self.slots
         folded_q = query.reshape(b * hkv, hq // hkv, q, d).to(slots.keys.device)
-        key_index = slots.selected_index(selected, _NEVER)          # [B·H_kv, S]
+        key_index = slots.selected_index(_NEVER)                    # [B·H_kv, S]
         pad = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
         part = exact_partial(folded_q, slots.keys.unsqueeze(1), slots.values.unsqueeze(1), ctx.scaling,
                              key_index=key_index, query_index=ctx.new_index.to(slots.keys.device),
@@ -320,28 +334,19 @@ class LRQKLayer(CacheLayer):
         return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
 
     # ---- prefetch -----------------------------------------------------------------------------------
-    def _start_prefetch(self, ctx: StepContext, candidates: int, selected: torch.Tensor) -> None:
-        """Load, in the background, the best-ranked tokens just outside this step's top-k."""
-        extra = min(self.extra, candidates - selected.shape[1])
+    def _start_prefetch(self, mass: torch.Tensor, selected: torch.Tensor) -> None:
+        """Load, in the background, the best-ranked tokens just outside this step's top-k (they are
+        the likeliest to enter the next step's set); the copy overlaps the rest of the forward."""
+        extra = min(self.extra, mass.shape[1] - selected.shape[1])
         if extra <= 0:
             return
-        b, hkv = self.a_k.shape[0], self.info.num_kv_heads
-        mass = self._last_mass_for_prefetch(ctx, candidates)
-        mass.scatter_(1, selected, float("-inf"))
-        nxt = torch.topk(mass, extra, dim=-1).indices                 # [B·H_kv, extra]
-        rows = torch.arange(b * hkv, device=nxt.device)[:, None].expand_as(nxt)
+        outside = mass.scatter(1, selected, float("-inf"))
+        nxt = torch.topk(outside, extra, dim=-1).indices              # [B·H_kv, extra]
+        rows = torch.arange(nxt.shape[0], device=nxt.device)[:, None].expand_as(nxt)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lrqk-prefetch")
         slow = self.slow
         self._prefetched = (nxt, self._pool.submit(lambda: slow.gather(rows.reshape(-1), nxt.reshape(-1))))
-
-    def _last_mass_for_prefetch(self, ctx: StepContext, candidates: int) -> torch.Tensor:
-        b = self.a_k.shape[0]
-        hkv = self.info.num_kv_heads
-        a = self.a_k[:, :, :candidates].float()
-        logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling
-        mass = torch.softmax(logits, dim=2).reshape(b, hkv, self.copies, candidates, -1).sum(dim=(2, 4))
-        return mass.reshape(b * hkv, candidates)
 
     def _take_prefetch(self):
         if self._prefetched is None:
@@ -354,10 +359,11 @@ class LRQKLayer(CacheLayer):
         return tokens, rows
 
     def _drain_prefetch(self) -> None:
+        """Wait for a background load whose rows are being discarded (its errors do not matter)."""
         pending = getattr(self, "_prefetched", None)
-        if pending is not None:
-            pending[1].result()
         self._prefetched = None
+        if pending is not None:
+            pending[1].exception()
 
     def _record(self, report) -> None:
         c = self.counters
@@ -384,8 +390,8 @@ class LRQKLayer(CacheLayer):
     def _update_window(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.window == 0:
             return
-        device = self.slots.keys.device
-        k, v = key.to(device), value.to(device)
+        device, dtype = self.slots.keys.device, self.slots.keys.dtype
+        k, v = key.to(device, dtype), value.to(device, dtype)
         if self.win_k is not None:
             k = torch.cat([self.win_k, k], dim=2)
             v = torch.cat([self.win_v, v], dim=2)
@@ -461,6 +467,10 @@ class LRQKLayer(CacheLayer):
         c = self.counters
         out = {k: float(v) for k, v in c.items()}
         out["miss_rate"] = c["missed_rows"] / c["selected_rows"] if c["selected_rows"] else 0.0
+        steps = max(1, c["decode_steps"])
+        # Per decode step of this layer; KVShrinkCache.stats() sums layers, giving per-token figures.
+        out["rows_moved_per_token"] = c["missed_rows"] / steps
+        out["bytes_moved_per_token"] = (c["bytes_moved"] + c["prefetch_bytes"]) / steps
         warm = self.step_log[1:]
         sel = sum(s for s, _, _ in warm)
         out["warm_miss_rate"] = sum(m for _, m, _ in warm) / sel if sel else 0.0

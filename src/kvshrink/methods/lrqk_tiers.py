@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ class SlowTier:
         self.dtype = dtype
         self.length = 0
         self._data: torch.Tensor | None = None
+        # Prefetch gathers on a background thread while the model appends: growth must not interleave.
+        self._lock = threading.Lock()
 
     # ---- storage ---------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> torch.Tensor:
@@ -78,23 +81,26 @@ class SlowTier:
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store tokens ``key/value [B, H_kv, q, d]`` after the ones already held."""
         b, h, q, d = key.shape
-        self._reserve(self.length + q)
         rows = torch.stack([key, value], dim=2).reshape(b * h, 2, q, d).permute(2, 0, 1, 3)
-        self.data[self.length: self.length + q].copy_(rows.to(self.dtype))
-        self._after_write(self.length, self.length + q)
-        self.length += q
+        with self._lock:
+            self._reserve(self.length + q)
+            self.data[self.length: self.length + q].copy_(rows.to(self.dtype))
+            self._after_write(self.length, self.length + q)
+            self.length += q
 
     def read_range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens ``start..stop-1`` as ``[rows, n, d]`` host tensors."""
-        self._check(start, stop)
-        block = self.data[start:stop].permute(1, 2, 0, 3)              # [rows, 2, n, d]
+        with self._lock:
+            self._check(start, stop)
+            block = self.data[start:stop].permute(1, 2, 0, 3)          # [rows, 2, n, d]
         return block[:, 0], block[:, 1]
 
     def gather(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Rows ``(row[i], token[i])`` as ``[n, 2, d]`` (K and V), a fresh host tensor."""
-        flat = self.data.view(-1, 2, self.head_dim)
-        picked = flat.index_select(0, (token.long() * self.rows + row.long()).cpu())
-        self._check_rows(row, token, picked)
+        with self._lock:
+            flat = self.data.view(-1, 2, self.head_dim)
+            picked = flat.index_select(0, (token.long() * self.rows + row.long()).cpu())
+            self._check_rows(row, token, picked)
         return picked
 
     def nbytes(self) -> int:
@@ -240,6 +246,8 @@ class SlotTier:
         self.token = torch.full((rows, capacity), -1, dtype=torch.long, device=device)
         # Policy state: step of last selection (lru) or accumulated estimated mass (attention).
         self.score = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
+        # Slots holding the latest selection (what attention reads this step).
+        self.chosen = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
         self.step = 0
 
     def select(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
@@ -293,12 +301,13 @@ class SlotTier:
             self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1].to(self.values.dtype))
             self.token.view(-1).index_copy_(0, flat, tokens)
             self.score.view(-1).index_fill_(0, flat, 0.0)
+        self.chosen = _member(self.token, selected)
         self._update_policy_state(selected, mass)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved,
                           prefetch_hits=prefetch_hits)
 
     def _update_policy_state(self, selected: torch.Tensor, mass: torch.Tensor | None) -> None:
-        chosen = _member(self.token, selected)
+        chosen = self.chosen
         if self.policy == "lru":
             self.score[chosen] = float(self.step)
         elif self.policy == "attention" and mass is not None:
@@ -309,13 +318,13 @@ class SlotTier:
             slot_mass = torch.gather(torch.gather(mass.float(), 1, order), 1, pos)
             self.score += torch.where(chosen, slot_mass, torch.zeros_like(slot_mass))
 
-    def selected_index(self, selected: torch.Tensor, never: int) -> torch.Tensor:
-        """Token index per slot for attention masking: the token if selected, else ``never``."""
-        chosen = _member(self.token, selected.to(self.token.device))
-        return torch.where(chosen, self.token, torch.full_like(self.token, never))
+    def selected_index(self, never: int) -> torch.Tensor:
+        """Token index per slot for attention masking: the token if in the latest selection, else
+        ``never``."""
+        return torch.where(self.chosen, self.token, torch.full_like(self.token, never))
 
     def nbytes(self) -> int:
-        return held_bytes([self.keys, self.values, self.token, self.score])
+        return held_bytes([self.keys, self.values, self.token, self.score, self.chosen])
 
 
 def _member(x: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
