@@ -61,3 +61,27 @@ def test_an_unknown_method_or_option_is_refused_before_any_work(tmp_path, setup)
     with pytest.raises(ValueError, match="valid options"):
         run(tmp_path / "b", setup, ["streaming:windw=3"], ["niah"], [300])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+class SeparateBackend(__import__("kvshrink.eval.backend", fromlist=["KVShrinkBackend"]).KVShrinkBackend):
+    """The default backend without the shared prefill: every method runs its own prompt."""
+
+    prefill_together = None
+
+
+def test_shared_prefill_gives_the_same_rows_as_separate_runs(tmp_path, setup):
+    model, tok = setup
+    suite = resolve_suite("quick", ["niah", "ppl"], lengths=[300])
+    specs = ["streaming:window=32,sinks=4", "kivi:bits=2,group=16,residual=32"]
+    rows = {}
+    for name, backend in (("shared", None), ("separate", SeparateBackend())):
+        runner = Runner(str(tmp_path / name), specs, suite, RunOptions(progress=False, limit=2),
+                        backend=backend, model=model, tokenizer=tok)
+        runner.run()
+        rows[name] = [json.loads(l) for l in open(tmp_path / name / "rows.jsonl")]
+    assert all(r["prefill_shared"] for r in rows["shared"])
+    assert not any(r["prefill_shared"] for r in rows["separate"])
+    for a, b in zip(rows["shared"], rows["separate"]):
+        assert (a["spec"], a["task"], a["nbytes"], a.get("answer")) == (b["spec"], b["task"], b["nbytes"], b.get("answer"))
+        if a["task"] == "ppl":
+            assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-4)

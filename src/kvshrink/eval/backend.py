@@ -32,6 +32,23 @@ class KVShrinkBackend:
         name, options = self.parse(spec)
         return kvshrink.make_cache(name, model, **options)
 
+    def prefill_together(self, model, caches: list, input_ids: list[int]):
+        """One forward of the prompt filling every cache as its own prefill would: ``(logits, seconds)``.
+
+        Raises ``FanoutMismatch`` if a cache's prefill attention is not exact (then run it alone)."""
+        import time
+
+        import torch
+
+        from kvshrink.cache.fanout import prefill_together
+
+        device = next(model.parameters()).device
+        start = time.perf_counter()
+        logits = prefill_together(model, caches, torch.tensor([input_ids], device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return logits, time.perf_counter() - start
+
 
 def cache_figures(cache) -> dict[str, Any]:
     """Bytes and method metrics of a cache after a run (the kvshrink cache interface)."""

@@ -52,16 +52,25 @@ def _step(model, cache, ids: torch.Tensor) -> torch.Tensor:
     return out.logits[:, -1, :]
 
 
-@torch.inference_mode()
-def greedy_decode(model, cache, input_ids: list[int], max_new_tokens: int,
-                  stop_ids: set[int] = frozenset()) -> DecodeResult:
+@torch.no_grad()
+def prefill(model, cache, input_ids: list[int]) -> tuple[torch.Tensor, float]:
+    """Logits of the last prompt token after running the prompt through ``cache``, and the seconds."""
     device = model_device(model)
-    ids = torch.tensor([input_ids], device=device)
     _sync(device)
     t0 = time.perf_counter()
-    logits = _step(model, cache, ids)
+    logits = _step(model, cache, torch.tensor([input_ids], device=device))
     _sync(device)
-    prefill_s = time.perf_counter() - t0
+    return logits, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def greedy_decode(model, cache, input_ids: list[int], max_new_tokens: int,
+                  stop_ids: set[int] = frozenset(), prefilled: tuple[torch.Tensor, float] | None = None
+                  ) -> DecodeResult:
+    """Greedy tokens after ``input_ids``. ``prefilled``: ``(logits, seconds)`` of a prefill already run
+    into ``cache`` (a shared prefill, see kvshrink.cache.fanout)."""
+    device = model_device(model)
+    logits, prefill_s = prefilled or prefill(model, cache, input_ids)
     tokens: list[int] = []
     t1 = time.perf_counter()
     for step in range(max_new_tokens):
@@ -76,18 +85,15 @@ def greedy_decode(model, cache, input_ids: list[int], max_new_tokens: int,
     return DecodeResult(tokens, prefill_s, decode_ms)
 
 
-@torch.inference_mode()
-def score_continuation(model, cache, prefix_ids: list[int], target_ids: list[int]) -> ScoreResult:
+@torch.no_grad()
+def score_continuation(model, cache, prefix_ids: list[int], target_ids: list[int],
+                       prefilled: tuple[torch.Tensor, float] | None = None) -> ScoreResult:
     """Negative log-likelihood of ``target_ids`` given the prefix, fed one token at a time so every
     target token is predicted from what the cache holds (as in decoding)."""
     if not target_ids:
         raise ValueError("score_continuation needs at least one target token")
     device = model_device(model)
-    _sync(device)
-    t0 = time.perf_counter()
-    logits = _step(model, cache, torch.tensor([prefix_ids], device=device))
-    _sync(device)
-    prefill_s = time.perf_counter() - t0
+    logits, prefill_s = prefilled or prefill(model, cache, prefix_ids)
     nll = 0.0
     t1 = time.perf_counter()
     for i, target in enumerate(target_ids):

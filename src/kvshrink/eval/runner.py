@@ -86,6 +86,14 @@ def check_context(samples: list[Sample], suite: Suite, max_positions: int | None
                                  f"the model's {max_positions} positions")
 
 
+def group_by_sample(todo: list[tuple[Sample, str, str]]) -> list[tuple[Sample, str, list[str]]]:
+    """``(sample, spec, digest)`` runs -> ``(sample, digest, specs)`` in first-seen order."""
+    groups: dict[int, tuple[Sample, str, list[str]]] = {}
+    for s, spec, digest in todo:
+        groups.setdefault(id(s), (s, digest, []))[2].append(spec)
+    return list(groups.values())
+
+
 class Runner:
     def __init__(self, out_dir: str, specs: list[str], suite: Suite, options: RunOptions,
                  backend=None, model=None, tokenizer=None):
@@ -131,14 +139,19 @@ class Runner:
                     todo.append((s, spec, digest))
         written = 0
         stop = eos_token_ids(self.model, self.tok)
-        bar = tqdm(todo, desc="evaluating", unit="run", disable=not self.opt.progress, file=sys.stderr)
-        for s, spec, digest in bar:
-            bar.set_postfix_str(f"{spec} {s.task}/{s.subtask} L={s.length}", refresh=False)
-            reference = done.get((REFERENCE, s.task, s.subtask, s.length, s.depth, s.index, digest))
-            row = self.run_one(s, spec, digest, reference, stop)
-            self.writer.write(row)
-            done[row_key(row)] = row
-            written += 1
+        bar = tqdm(total=len(todo), desc="evaluating", unit="run", disable=not self.opt.progress, file=sys.stderr)
+        for s, digest, specs in group_by_sample(todo):
+            prefilled = self.shared_prefill(s, specs)
+            for spec in specs:
+                bar.set_postfix_str(f"{spec} {s.task}/{s.subtask} L={s.length}", refresh=False)
+                reference = done.get((REFERENCE, s.task, s.subtask, s.length, s.depth, s.index, digest))
+                cache, pre = prefilled.pop(spec, (None, None))
+                row = self.run_one(s, spec, digest, reference, stop, cache, pre)
+                self.writer.write(row)
+                done[row_key(row)] = row
+                written += 1
+                bar.update(1)
+        bar.close()
         if "cost" in self.suite.tasks:
             written += self.run_cost(done)
         return written
@@ -149,20 +162,43 @@ class Runner:
                 "length": length, "depth": depth, "sample": index, "seed": self.opt.seed,
                 "prompt_sha": digest}
 
-    def run_one(self, s: Sample, spec: str, digest: str, reference: dict | None, stop: set[int]) -> dict:
+    def shared_prefill(self, s: Sample, specs: list[str]) -> dict[str, tuple[Any, tuple]]:
+        """Run the sample's prompt once for every spec (``{spec: (cache, (logits, seconds))}``).
+
+        Prefill attention is exact in every method, so each cache ends up as its own prefill would
+        leave it; per-method prefill time is measured by the ``cost`` task instead. Empty when the
+        backend cannot share a prefill or a method's prefill is not exact (each then runs alone)."""
+        share = getattr(self.backend, "prefill_together", None)  # None: this backend cannot share
+        if share is None or len(specs) < 2:
+            return {}
+        from kvshrink.cache.fanout import FanoutMismatch
+
+        caches = [self.backend.make_cache(spec, self.model) for spec in specs]
+        try:
+            pre = share(self.model, caches, s.input_ids)
+        except FanoutMismatch as exc:
+            print(f"kvshrink eval: shared prefill not possible ({exc}); running each method alone",
+                  file=sys.stderr)
+            return {}
+        return {spec: (cache, pre) for spec, cache in zip(specs, caches)}
+
+    def run_one(self, s: Sample, spec: str, digest: str, reference: dict | None, stop: set[int],
+                cache=None, prefilled: tuple | None = None) -> dict:
         row = self.base_row(spec, s.task, s.subtask, s.length, s.depth, s.index, digest)
         row["actual_tokens"] = len(s.input_ids)
         row["started"] = now()
-        cache = self.backend.make_cache(spec, self.model)
+        row["prefill_shared"] = prefilled is not None
+        if cache is None:
+            cache = self.backend.make_cache(spec, self.model)
         if s.metric == "ppl":
-            res = score_continuation(self.model, cache, s.input_ids, s.target_ids)
+            res = score_continuation(self.model, cache, s.input_ids, s.target_ids, prefilled=prefilled)
             ppl = perplexity(res.nll_sum, res.count)
             row.update(ppl=ppl, scored_tokens=res.count,
                        ppl_ratio=ppl / reference["ppl"] if reference else (1.0 if spec == REFERENCE else None))
         else:
             # Agreement decodes its full length: stopping at EOS would make short answers "agree".
             res = greedy_decode(self.model, cache, s.input_ids, s.max_new_tokens,
-                                stop_ids=set() if s.metric == "agreement" else stop)
+                                stop_ids=set() if s.metric == "agreement" else stop, prefilled=prefilled)
             answer = self.tok.decode(res.tokens, skip_special_tokens=True)
             row["answer"] = answer[:ANSWER_CHARS]
             if s.metric == "agreement":
