@@ -45,3 +45,29 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
 @pytest.fixture
 def tiny():
     return tiny_model
+
+
+def greedy(model, ids, mask, cache, new_tokens=8):
+    """Greedy ``generate`` through ``cache``: ``(sequences, logits [B, new_tokens, vocab])``."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0, eos_token_id=None)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def left_pad(rows: list[torch.Tensor]):
+    """Left-padded ``(input_ids, attention_mask)`` of token rows of different lengths."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def prompts(lengths, seed=1):
+    """Random token rows (ids 3..127) of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g) for n in lengths]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvshrink
-from conftest import tiny_model
+from conftest import greedy, left_pad, prompts, tiny_model
 from kvshrink.cache.base import LayerSpec, ModelInfo, StepContext
 from kvshrink.methods.h2o import H2OLayer
 from kvshrink.methods.kivi import KiviLayer
@@ -52,29 +52,6 @@ def kept_tokens(layer, b, hkv):
     index = layer.store.token_index()
     index = index if index.dim() == 2 else index.unsqueeze(0).expand(b * hkv, -1)
     return [[set(index[r * hkv + h].tolist()) for h in range(hkv)] for r in range(b)]
-
-
-def greedy(model, ids, mask, cache, new_tokens=8):
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=0, eos_token_id=None)
-    return out.sequences, torch.stack(out.logits, dim=1)
-
-
-def left_pad(rows):
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
-def prompts(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (n,), generator=g) for n in lengths]
 
 
 def wide_model(family="llama"):

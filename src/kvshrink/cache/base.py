@@ -216,7 +216,27 @@ def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-class KVShrinkCache(Cache):
+class CacheAccounting:
+    """fp16 reference size, ratio and summary, for any cache with ``info``, ``batch_size`` and ``nbytes()``."""
+
+    method: str
+    info: ModelInfo
+
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 DynamicCache would hold for the same tokens."""
+        i = self.info
+        return fp16_kv_bytes(i.num_layers, i.num_kv_heads, i.head_dim, self.get_seq_length(), self.batch_size)
+
+    def compression_ratio(self) -> float:
+        held = self.nbytes()
+        return self.fp16_nbytes() / held if held else float("nan")
+
+    def summary(self) -> str:
+        return (f"{self.method}: {self.get_seq_length()} tokens, {self.nbytes() / 2**20:.2f} MiB held, "
+                f"fp16 {self.fp16_nbytes() / 2**20:.2f} MiB, ratio {self.compression_ratio():.2f}x")
+
+
+class KVShrinkCache(CacheAccounting, Cache):
     """A transformers ``Cache`` whose layers compute attention from their own (compressed) stores."""
 
     def __init__(self, method: str, options: dict[str, Any], info: ModelInfo,
@@ -385,15 +405,6 @@ class KVShrinkCache(Cache):
         """Bytes of every tensor the cache holds (all layers plus the cache's own bookkeeping)."""
         return sum(layer.nbytes() for layer in self.layers) + held_bytes([self._pad_len, self._offset])
 
-    def fp16_nbytes(self) -> int:
-        """Bytes an fp16 DynamicCache would hold for the same tokens."""
-        i = self.info
-        return fp16_kv_bytes(i.num_layers, i.num_kv_heads, i.head_dim, self.get_seq_length(), self.batch_size)
-
-    def compression_ratio(self) -> float:
-        held = self.nbytes()
-        return self.fp16_nbytes() / held if held else float("nan")
-
     def breakdown(self) -> dict[str, int]:
         """Bytes per part, summed over layers (the values sum to ``nbytes()``)."""
         out = {k: int(v) for k, v in _sum_dicts([layer.breakdown() for layer in self.layers]).items()}
@@ -410,7 +421,3 @@ class KVShrinkCache(Cache):
             if k.endswith("_rate"):
                 total[k] /= max(1, len(per_layer))
         return total
-
-    def summary(self) -> str:
-        return (f"{self.method}: {self.get_seq_length()} tokens, {self.nbytes() / 2**20:.2f} MiB held, "
-                f"fp16 {self.fp16_nbytes() / 2**20:.2f} MiB, ratio {self.compression_ratio():.2f}x")

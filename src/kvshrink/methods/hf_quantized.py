@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import QuantizedCache
 
-from kvshrink.cache.base import ModelInfo
+from kvshrink.cache.base import CacheAccounting, ModelInfo
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.cache.store import fp16_kv_bytes, held_bytes
+from kvshrink.cache.store import held_bytes
 
 BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
 
@@ -56,7 +56,7 @@ def require_backend(backend: str) -> None:
         )
 
 
-class MeasuredQuantizedCache(QuantizedCache):
+class MeasuredQuantizedCache(CacheAccounting, QuantizedCache):
     """transformers' ``QuantizedCache`` plus kvshrink's accounting (``nbytes``, ``compression_ratio``...)."""
 
     def __init__(self, backend: str, config, info: ModelInfo, bits: int, group: int, residual: int):
@@ -83,14 +83,6 @@ class MeasuredQuantizedCache(QuantizedCache):
         """Bytes of every tensor the cache holds: packed codes, scales, zero points, exact residual."""
         return sum(held_bytes(self._quantized(layer) + self._exact(layer)) for layer in self.layers)
 
-    def fp16_nbytes(self) -> int:
-        i = self.info
-        return fp16_kv_bytes(i.num_layers, i.num_kv_heads, i.head_dim, self.get_seq_length(), self.batch_size)
-
-    def compression_ratio(self) -> float:
-        held = self.nbytes()
-        return self.fp16_nbytes() / held if held else float("nan")
-
     def breakdown(self) -> dict[str, int]:
         quantized = sum(held_bytes(self._quantized(layer)) for layer in self.layers)
         exact = sum(held_bytes(self._exact(layer)) for layer in self.layers)
@@ -101,10 +93,6 @@ class MeasuredQuantizedCache(QuantizedCache):
         keys = getattr(self.layers[0], "keys", None)
         exact = keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
         return {"exact_tokens": float(exact), "quantized_tokens": float(self.get_seq_length() - exact)}
-
-    def summary(self) -> str:
-        return (f"{self.method}: {self.get_seq_length()} tokens, {self.nbytes() / 2**20:.2f} MiB held, "
-                f"fp16 {self.fp16_nbytes() / 2**20:.2f} MiB, ratio {self.compression_ratio():.2f}x")
 
     def __repr__(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())
