@@ -71,3 +71,18 @@ def prompts(lengths, seed=1):
     """Random token rows (ids 3..127) of the given lengths."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 128, (n,), generator=g) for n in lengths]
+
+
+def assert_batch_rows_equal_alone(model, method: str, options: dict, lengths, new_tokens: int,
+                                  atol: float, rtol: float, seed: int = 1) -> None:
+    """A left-padded batch decodes each row exactly as that row decodes alone (tokens and logits)."""
+    import kvshrink
+
+    rows = prompts(lengths, seed=seed)
+    ids, mask = left_pad(rows)
+    seq, logits = greedy(model, ids, mask, kvshrink.make_cache(method, model, **options), new_tokens=new_tokens)
+    for i, row in enumerate(rows):
+        alone_seq, alone_logits = greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long),
+                                         kvshrink.make_cache(method, model, **options), new_tokens=new_tokens)
+        assert torch.equal(seq[i, -new_tokens:], alone_seq[0, -new_tokens:]), f"row {i} differs"
+        torch.testing.assert_close(logits[i], alone_logits[0], atol=atol, rtol=rtol)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvshrink
-from conftest import greedy, left_pad, prompts, tiny_model
+from conftest import assert_batch_rows_equal_alone, greedy, left_pad, prompts, tiny_model
 from kvshrink.cache.base import LayerSpec, ModelInfo, StepContext
 from kvshrink.methods.h2o import H2OLayer
 from kvshrink.methods.kivi import KiviLayer
@@ -222,16 +222,8 @@ def test_scissorhands_drops_a_one_off_heavy_hitter_that_h2o_keeps():
     ("turboquant", {"key_bits": 3, "value_bits": 2}),
 ])
 def test_left_padded_batch_rows_evict_and_quantize_as_alone(method, options):
-    model = wide_model("qwen2")
-    rows = prompts([30, 21, 12], seed=3)
-    ids, mask = left_pad(rows)
-    seq, logits = greedy(model, ids, mask, kvshrink.make_cache(method, model, **options), new_tokens=8)
-    for i, row in enumerate(rows):
-        alone_seq, alone_logits = greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long),
-                                         kvshrink.make_cache(method, model, **options), new_tokens=8)
-        assert torch.equal(seq[i, -8:], alone_seq[0, -8:]), f"row {i} differs"
-        torch.testing.assert_close(logits[i], alone_logits[0], atol=5e-4, rtol=1e-3)
-
+    assert_batch_rows_equal_alone(wide_model("qwen2"), method, options, [30, 21, 12], new_tokens=8,
+                                  atol=5e-4, rtol=1e-3, seed=3)
 
 def test_eviction_really_changes_the_output_and_a_large_budget_does_not():
     model = wide_model()

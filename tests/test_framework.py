@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvshrink
 from kvshrink.cache.attention import Partial, exact_partial, merge_partials
-from conftest import greedy, left_pad, prompts, tiny_model
+from conftest import assert_batch_rows_equal_alone, greedy, left_pad, prompts, tiny_model
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 
@@ -27,16 +27,8 @@ def test_full_equals_dynamic_cache(family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method,options", [("full", {}), ("streaming", {"sinks": 2, "window": 12})])
 def test_left_padded_batch_equals_rows_alone(family, method, options):
-    model = tiny_model(family)
-    rows = prompts([30, 21, 9])
-    ids, mask = left_pad(rows)
-    seq, logits = greedy(model, ids, mask, kvshrink.make_cache(method, model, **options), new_tokens=10)
-    for i, row in enumerate(rows):
-        alone_seq, alone_logits = greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long),
-                                         kvshrink.make_cache(method, model, **options), new_tokens=10)
-        assert torch.equal(seq[i, -10:], alone_seq[0, -10:]), f"row {i} differs"
-        torch.testing.assert_close(logits[i], alone_logits[0], atol=2e-4, rtol=1e-4)
-
+    assert_batch_rows_equal_alone(tiny_model(family), method, options, [30, 21, 9], new_tokens=10,
+                                  atol=2e-4, rtol=1e-4)
 
 def test_streaming_differs_from_full_once_it_evicts():
     model = tiny_model("llama")
