@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvshrink
-from conftest import assert_batch_rows_equal_alone, greedy, left_pad, prompts, tiny_model
+from conftest import assert_batch_rows_equal_alone, greedy, prompts, tiny_model
 from kvshrink.cache.base import LayerSpec, ModelInfo, StepContext
 from kvshrink.methods.h2o import H2OLayer
 from kvshrink.methods.kivi import KiviLayer
