@@ -55,3 +55,16 @@ def test_shared_prefill_refuses_used_caches():
         model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
     with pytest.raises(ValueError, match="fresh"):
         prefill_together(model, [cache], torch.tensor([[5, 6]]))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_prompt_prefilled_under_inference_mode_continues_outside_it(name):
+    """Caches made under torch.inference_mode keep working under no_grad, as the user's next call is."""
+    model = tiny_model("llama", max_position_embeddings=1024, hidden_size=256)  # head size 64
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(4))
+    cache = kvshrink.make_cache(name, model)
+    with torch.inference_mode():
+        first = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    ref_cache, ref_first = alone(model, name, ids)
+    tokens, _ = decode(model, cache, first.clone())
+    assert tokens == decode(model, ref_cache, ref_first)[0]

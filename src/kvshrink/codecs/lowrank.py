@@ -207,21 +207,23 @@ def decode_factor_vectors(query: Tensor, key: Tensor, b_q: Tensor, b_k: Tensor, 
     rhs_q_base = lam * (q @ bq.transpose(-1, -2))                  # [N,G,r] λ B_Q q
     lhs_q_base = lam * bq_gram
     if resident_factors is not None and resident_factors.shape[-2] > 0:
-        a = resident_factors.to(_SOLVE_DTYPE)
-        kr = resident_keys.to(_SOLVE_DTYPE)
+        # Sums over the S resident tokens run in float32 (the model's precision; float64 here
+        # cost more than the rest of the step); only the r x r systems need float64.
+        a = resident_factors.float()
         if resident_weight is not None:
-            a = a * resident_weight.to(_SOLVE_DTYPE).unsqueeze(-1)
-        lhs_q_base = lhs_q_base + a.transpose(-1, -2) @ a
-        exact_scores = q @ kr.transpose(-1, -2)                    # [N,G,S]
-        rhs_q_base = rhs_q_base + exact_scores @ a                 # Σ_j (q·K_j) A_j (weighted)
+            a = a * resident_weight.float().unsqueeze(-1)
+        lhs_q_base = lhs_q_base + (a.transpose(-1, -2) @ a).to(_SOLVE_DTYPE)
+        exact_scores = query.float() @ resident_keys.float().transpose(-1, -2)   # [N,G,S]
+        rhs_q_base = rhs_q_base + (exact_scores @ a).to(_SOLVE_DTYPE)           # Σ_j (q·K_j) A_j (weighted)
     # Least-squares start k̂ = k B_K⁺ (the first update of q̂ needs only k̂).
-    k_hat = _ridge_solve(bk_gram, (bk @ k.unsqueeze(-1))).squeeze(-1)
+    bk_k = (bk @ k.unsqueeze(-1)).squeeze(-1)                       # [N,r]
+    k_hat = _ridge_solve(bk_gram, bk_k.unsqueeze(-1)).squeeze(-1)
     for _ in range(iters):
         kk = k_hat.unsqueeze(-1) @ k_hat.unsqueeze(-2)             # [N,r,r]
         rhs_q = rhs_q_base + qk.unsqueeze(-1) * k_hat.unsqueeze(-2)
         q_hat = _ridge_solve(lhs_q_base + kk, rhs_q.transpose(-1, -2)).transpose(-1, -2)
         lhs_k = q_hat.transpose(-1, -2) @ q_hat + lam * bk_gram    # Σ_g q̂_g q̂_gᵀ + λB_KB_Kᵀ
-        rhs_k = (qk.unsqueeze(-1) * q_hat).sum(-2) + lam * (bk @ k.unsqueeze(-1)).squeeze(-1)
+        rhs_k = (qk.unsqueeze(-1) * q_hat).sum(-2) + lam * bk_k
         k_hat = _ridge_solve(lhs_k, rhs_k.unsqueeze(-1)).squeeze(-1)
     return q_hat, k_hat
 

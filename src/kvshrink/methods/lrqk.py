@@ -37,7 +37,7 @@ from kvshrink.codecs.lowrank import (
     key_factors,
     line_search_basis_step,
 )
-from kvshrink.methods.lrqk_tiers import POLICIES, SLOW_TIERS, SlotTier, SlowTier, make_slow_tier
+from kvshrink.methods.lrqk_tiers import POLICIES, SLOW_TIERS, SlotTier, SlowTier, make_slow_tier, state_tensors
 
 FACTOR_HEADS = ("kv", "query")
 _FACTOR_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -271,19 +271,20 @@ class LRQKLayer(CacheLayer):
         (``[B·H_kv, n]``, the proxy softmax summed over the query heads of the group)."""
         b, f = self.a_k.shape[:2]
         hkv = self.info.num_kv_heads
+        # Logits laid out [B, F, queries, n] so the softmax and the group sum run over contiguous memory.
         if self.exact_selection:
             keys, _ = self.slow.read_range(0, candidates)            # [B·H_kv, n, d]
             keys = self._factor_keys(keys.reshape(b, hkv, candidates, -1)).float()
             q = self._factor_queries(self._query).float()            # [B, F, G/c, d]
-            logits = (keys.to(q.device) @ q.transpose(-1, -2)) * ctx.scaling
+            logits = (q @ keys.to(q.device).transpose(-1, -2)) * ctx.scaling
         else:
             a = self.a_k[:, :, :candidates].float()                  # [B, F, n, r]
-            logits = (a @ self._q_hat.float().transpose(-1, -2)) * ctx.scaling   # [B, F, n, G/c]
+            logits = (self._q_hat.float() @ a.transpose(-1, -2)) * ctx.scaling   # [B, F, G/c, n]
         if ctx.pad_len is not None:
             pad = torch.arange(candidates, device=logits.device)[None, :] < ctx.pad_len.to(logits.device)[:, None]
-            logits = logits.masked_fill(pad[:, None, :, None], float("-inf"))
-        mass = torch.softmax(logits, dim=2).nan_to_num(0.0)        # per query head, over candidates
-        mass = mass.reshape(b, hkv, self.copies, candidates, -1).sum(dim=(2, 4))   # [B, H_kv, n]
+            logits = logits.masked_fill(pad[:, None, None, :], float("-inf"))
+        mass = torch.softmax(logits, dim=-1).nan_to_num(0.0)       # per query head, over candidates
+        mass = mass.reshape(b, hkv, -1, candidates).sum(dim=2)     # [B, H_kv, n]
         k = min(self.top_k, candidates)
         top_mass, top_idx = torch.topk(mass, k, dim=-1, sorted=False)
         return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k), mass.reshape(b * hkv, candidates)
@@ -437,9 +438,10 @@ class LRQKLayer(CacheLayer):
         need = self.a_len + n
         if self.a_k is None or need > self.a_k.shape[2]:
             capacity = -(-need // _FACTOR_BLOCK) * _FACTOR_BLOCK
-            grown = torch.zeros(b, f, capacity, r, dtype=self.factor_dtype, device=factors.device)
-            if self.a_k is not None and self.a_len:
-                grown[:, :, : self.a_len] = self.a_k[:, :, : self.a_len]
+            with state_tensors():
+                grown = torch.zeros(b, f, capacity, r, dtype=self.factor_dtype, device=factors.device)
+                if self.a_k is not None and self.a_len:
+                    grown[:, :, : self.a_len] = self.a_k[:, :, : self.a_len]
             self.a_k = grown
         self.a_k[:, :, self.a_len: need] = factors
         self.a_len = need

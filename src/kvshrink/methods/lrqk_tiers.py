@@ -40,6 +40,13 @@ class SlowTierChanged(RuntimeError):
     """The file behind a disk slow tier was replaced, resized or overwritten by someone else."""
 
 
+def state_tensors():
+    """Context for allocating buffers the cache keeps updating in place: they are made as normal
+    tensors even under ``torch.inference_mode``, so a prompt run in inference mode can be continued
+    outside it (inference tensors refuse in-place updates there)."""
+    return torch.inference_mode(False)
+
+
 def _grow(capacity: int, needed: int) -> int:
     """Next capacity: at least ``needed``, growing by a quarter (bounded over-allocation)."""
     return max(needed, capacity + max(256, capacity // 4))
@@ -68,9 +75,10 @@ class SlowTier:
         capacity = 0 if self._data is None else self._data.shape[0]
         if needed <= capacity:
             return
-        data = self._allocate(_grow(capacity, needed))
-        if self.length:
-            data[: self.length].copy_(self._data[: self.length])
+        with state_tensors():
+            data = self._allocate(_grow(capacity, needed))
+            if self.length:
+                data[: self.length].copy_(self._data[: self.length])
         self._data = data
 
     @property
@@ -175,7 +183,8 @@ class DiskSlowTier(SlowTier):
             self._check(0, 0)
         # The file grows in place (truncate keeps the bytes), then it is mapped again.
         self._data = None
-        self._data = self._allocate(_grow(capacity, needed))
+        with state_tensors():
+            self._data = self._allocate(_grow(capacity, needed))
 
     def _after_write(self, start: int, stop: int) -> None:
         self._checksums[start:stop] = self.data[start:stop].double().sum((-1, -2))
@@ -241,11 +250,12 @@ class SlotTier:
         self.policy = policy
         self.rows = rows
         self.capacity = capacity
-        self.keys = torch.zeros(rows, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.token = torch.full((rows, capacity), -1, dtype=torch.long, device=device)
-        # Policy state: step of last selection (lru) or accumulated estimated mass (attention).
-        self.score = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
+        with state_tensors():
+            self.keys = torch.zeros(rows, capacity, head_dim, dtype=dtype, device=device)
+            self.values = torch.zeros_like(self.keys)
+            self.token = torch.full((rows, capacity), -1, dtype=torch.long, device=device)
+            # Policy state: step of last selection (lru) or accumulated estimated mass (attention).
+            self.score = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
         # Slots holding the latest selection (what attention reads this step).
         self.chosen = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
         self.step = 0
@@ -263,19 +273,23 @@ class SlotTier:
         if k > self.capacity:
             raise ValueError(f"LRQK: {k} selected tokens do not fit {self.capacity} slots")
         selected = selected.to(self.token.device)
-        hit_sel = _member(selected, self.token)            # [rows, k] selected and resident
-        stays = _member(self.token, selected)              # [rows, S] resident and selected
-        missing_per_row = (~hit_sel).sum(1)                # [rows]
+        # Membership through dense per-row maps over the token ids (every id < slow.length): a
+        # scatter and a gather instead of sorting, which dominated this step's cost.
+        span = slow.length
+        in_use = self.token >= 0
+        resident = _dense_mask(self.token, span)
+        in_selection = _dense_mask(selected, span)
+        hit_sel = resident.gather(1, selected)             # [rows, k] selected and resident
+        stays = in_selection.gather(1, _map_index(self.token, span))   # [rows, S] resident and selected
+        missing = ~hit_sel
         # Eviction order: empty slots first, then by policy value; selected residents never move.
-        priority = self.score.clone()
-        priority[self.token < 0] = float("-inf")
-        priority[stays] = float("inf")
+        priority = self.score.masked_fill(~in_use, float("-inf")).masked_fill(stays, float("inf"))
         slot_order = torch.argsort(priority, dim=1, stable=True)
-        token_order = torch.argsort(hit_sel.to(torch.int8), dim=1, stable=True)  # missing first
-        take = torch.arange(k, device=selected.device)[None, :] < missing_per_row[:, None]
-        row_idx = torch.arange(rows, device=selected.device)[:, None].expand(rows, k)[take]
+        # Row-major boolean indexing lists each row's missing tokens, and its first free slots, in step.
+        take = torch.arange(k, device=selected.device)[None, :] < missing.sum(1, keepdim=True)
+        row_idx = torch.arange(rows, device=selected.device)[:, None].expand(rows, k)[missing]
         dest = slot_order[:, :k][take]
-        tokens = torch.gather(selected, 1, token_order)[take]
+        tokens = selected[missing]
         moved = 0
         prefetch_hits = 0
         if tokens.numel():
@@ -284,8 +298,8 @@ class SlotTier:
             if prefetched is not None:
                 pf_tokens, pf_rows = prefetched
                 pf_tokens = pf_tokens.to(selected.device)
-                found, pos = _position(torch.gather(selected, 1, token_order), pf_tokens)
-                found, pos = found[take], pos[take]
+                found, pos = _position(selected, pf_tokens, span)
+                found, pos = found[missing], pos[missing]
                 if bool(found.any()):
                     src = row_idx[found] * pf_tokens.shape[1] + pos[found]
                     fill[found.cpu()] = pf_rows.index_select(0, src.cpu())
@@ -301,22 +315,20 @@ class SlotTier:
             self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1].to(self.values.dtype))
             self.token.view(-1).index_copy_(0, flat, tokens)
             self.score.view(-1).index_fill_(0, flat, 0.0)
-        self.chosen = _member(self.token, selected)
-        self._update_policy_state(selected, mass)
+        self.chosen = in_selection.gather(1, _map_index(self.token, span))
+        self._update_policy_state(selected, mass, span)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved,
                           prefetch_hits=prefetch_hits)
 
-    def _update_policy_state(self, selected: torch.Tensor, mass: torch.Tensor | None) -> None:
+    def _update_policy_state(self, selected: torch.Tensor, mass: torch.Tensor | None, span: int) -> None:
         chosen = self.chosen
         if self.policy == "lru":
             self.score[chosen] = float(self.step)
         elif self.policy == "attention" and mass is not None:
-            # Scatter the selected tokens' mass onto their slots (matching by token id).
-            order = torch.argsort(selected, dim=1)
-            sorted_sel = torch.gather(selected, 1, order)
-            pos = torch.searchsorted(sorted_sel, self.token.clamp_min(0)).clamp_max(selected.shape[1] - 1)
-            slot_mass = torch.gather(torch.gather(mass.float(), 1, order), 1, pos)
-            self.score += torch.where(chosen, slot_mass, torch.zeros_like(slot_mass))
+            # Each slot's token looks its mass up in a dense per-row map of the selection's masses.
+            token_mass = torch.zeros(selected.shape[0], span + 1, dtype=torch.float32, device=selected.device)
+            token_mass.scatter_(1, selected, mass.float().to(selected.device))
+            self.score += torch.where(chosen, token_mass.gather(1, _map_index(self.token, span)), 0.0)
 
     def selected_index(self, never: int) -> torch.Tensor:
         """Token index per slot for attention masking: the token if in the latest selection, else
@@ -327,19 +339,25 @@ class SlotTier:
         return held_bytes([self.keys, self.values, self.token, self.score, self.chosen])
 
 
-def _member(x: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """Row-wise membership: ``out[i, j] = x[i, j] in pool[i]`` (negative ids are never members)."""
-    if pool.shape[1] == 0:
-        return torch.zeros_like(x, dtype=torch.bool)
-    sorted_pool = torch.sort(pool, dim=1).values
-    pos = torch.searchsorted(sorted_pool, x).clamp_max(pool.shape[1] - 1)
-    return (torch.gather(sorted_pool, 1, pos) == x) & (x >= 0)
+def _map_index(ids: torch.Tensor, span: int) -> torch.Tensor:
+    """Column of each id in a dense per-row map of ``span + 1`` columns: empty (negative) ids go to
+    the last column, which no real id uses, so they never collide with token 0."""
+    return torch.where(ids >= 0, ids, span)
 
 
-def _position(x: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise ``(found, index)``: whether ``x[i, j]`` is in ``pool[i]`` and at which column."""
-    order = torch.argsort(pool, dim=1)
-    sorted_pool = torch.gather(pool, 1, order)
-    pos = torch.searchsorted(sorted_pool, x).clamp_max(pool.shape[1] - 1)
-    found = (torch.gather(sorted_pool, 1, pos) == x) & (x >= 0)
-    return found, torch.gather(order, 1, pos)
+def _dense_mask(ids: torch.Tensor, span: int) -> torch.Tensor:
+    """``[rows, span + 1]`` bool: ``out[i, t]`` is whether token ``t`` is among ``ids[i]`` (ids < span)."""
+    mask = torch.zeros(ids.shape[0], span + 1, dtype=torch.bool, device=ids.device)
+    mask.scatter_(1, _map_index(ids, span), True)
+    mask[:, span] = False
+    return mask
+
+
+def _position(x: torch.Tensor, pool: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise ``(found, index)``: whether ``x[i, j]`` is in ``pool[i]`` and at which column
+    (ids in ``[0, span)``; a dense per-row map from id to column)."""
+    column = torch.full((pool.shape[0], span + 1), -1, dtype=torch.long, device=pool.device)
+    column.scatter_(1, _map_index(pool, span), torch.arange(pool.shape[1], device=pool.device).expand_as(pool))
+    column[:, span] = -1
+    pos = column.gather(1, _map_index(x, span))
+    return pos >= 0, pos.clamp_min(0)
