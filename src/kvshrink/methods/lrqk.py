@@ -259,8 +259,9 @@ class LRQKLayer(CacheLayer):
         last = slots.chosen.reshape(b, -1, slots.capacity)        # last step's selection
         attended[:, :, : slots.capacity] &= last.repeat_interleave(self.copies, dim=1) if self.copies > 1 else last
         weight = attended.float()
-        a = torch.gather(self.a_k[:, :, : self.a_len], 2,
-                         tok.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.rank).to(self.a_k.device))
+        capacity = self.a_k.shape[2]
+        flat = tok.clamp_min(0).to(self.a_k.device) + capacity * torch.arange(b * f, device=self.a_k.device).reshape(b, f, 1)
+        a = self.a_k.reshape(-1, self.rank).index_select(0, flat.reshape(-1))   # one flat row gather
         return (a.reshape(b * f, -1, self.rank), keys.reshape(b * f, -1, keys.shape[-1]),
                 weight.reshape(b * f, -1))
 
