@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from kvshrink.codecs import (
-    RandomRotation, TurboQuantizer, allocate_bits, apply_rope, encode_pca, fit_codebook, fit_pca,
-    hadamard_matrix, lloyd_max_centroids, pack_bits, packed_size, undo_rope, unpack_bits, vq_encode,
+    RandomRotation, TurboQuantizer, allocate_bits, apply_rope, apply_rope_paired, encode_pca, fit_codebook,
+    fit_pca, hadamard_matrix, lloyd_max_centroids, pack_bits, packed_size, pair_order, rope_phases, undo_rope,
+    unpack_bits, vq_encode,
 )
 from kvshrink.codecs.pca import gaussian_uniform_step, modelled_error
 
@@ -32,6 +33,10 @@ def test_undo_rope_is_exact_inverse_and_matches_llama():
     torch.testing.assert_close(undo_rope(k_hf, cos, sin), k, atol=1e-5, rtol=1e-5)
     # [B, 1, T, d] broadcasting works too
     torch.testing.assert_close(undo_rope(k_hf, cos.unsqueeze(1), sin.unsqueeze(1)), k, atol=1e-5, rtol=1e-5)
+    # the paired (complex) form: same rotation, channels in pair order
+    order = pair_order(k.shape[-1])
+    torch.testing.assert_close(apply_rope_paired(k[..., order], rope_phases(cos, sin).unsqueeze(1)),
+                               k_hf[..., order], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(k_hf, k, atol=1e-3)
 
 

@@ -260,16 +260,54 @@ class PCACode:
         codes = unpack_bits(rows, bits, b - a)
         return unit_levels(bits, self.levels, packed.device).to(dtype)[codes]
 
-    def decode(self, start: int = 0, stop: int | None = None, dtype=torch.float32) -> torch.Tensor:
+    def decode(self, start: int = 0, stop: int | None = None, dtype=torch.float32,
+               columns: torch.Tensor | None = None) -> torch.Tensor:
         """Reconstructed rows ``[..., n, D]`` (only rows ``start:stop``: decode block by block).
 
-        The per-component steps are folded into the basis, one product per run of equal bits."""
+        ``columns`` (a permutation of ``0..D-1``) returns the columns in that order at no extra cost
+        (e.g. RoPE pairs side by side, so the caller can rotate them as complex numbers).
+
+        Byte lookup tables instead of a product with the basis: each packed byte holds ``8/bits``
+        codes, so its contribution to a row is one of 256 precomputed ``D``-vectors (the codes' levels
+        times their scaled basis rows). A row is then the mean plus one table row per byte, summed
+        by ``embedding_bag``: ``bytes x D`` additions instead of ``r x D`` multiply-adds, and no
+        per-code level lookup. Runs whose codes straddle bytes (6 bits) use the product."""
         stop = self.n if stop is None else stop
         scaled = (self.basis(dtype) * self.coeff_step.to(dtype)).T  # [r_kept, D]
-        out = self.mean.to(dtype).expand(*self.lead_shape, stop - start, self.mean.shape[0])
+        mean = self.mean.to(dtype)
+        if columns is not None:
+            scaled, mean = scaled[:, columns], mean[columns]
+        out = mean.expand(*self.lead_shape, stop - start, mean.shape[0])
+        tables, indices, base = [], [], 0
         for run in self.runs:
-            out = out + self._run_levels(run, start, stop, dtype) @ scaled[run[1]:run[2]]
+            bits, a, b, packed = run
+            if 8 % bits:
+                out = out + self._run_levels(run, start, stop, dtype) @ scaled[a:b]
+                continue
+            table = _byte_lookup_table(bits, self.levels, scaled[a:b])     # [bytes, 256, D]
+            n_bytes = table.shape[0]
+            offsets = base + 256 * torch.arange(n_bytes, device=packed.device)
+            indices.append(packed[..., start:stop, :].long() + offsets)
+            tables.append(table.reshape(n_bytes * 256, -1))
+            base += n_bytes * 256
+        if tables:
+            index = torch.cat(indices, dim=-1)
+            summed = torch.nn.functional.embedding_bag(index.reshape(-1, index.shape[-1]), torch.cat(tables),
+                                                       mode="sum")
+            out = out + summed.reshape(*index.shape[:-1], -1)
         return out
+
+
+def _byte_lookup_table(bits: int, levels: str, rows: torch.Tensor) -> torch.Tensor:
+    """``[bytes, 256, D]``: for each byte position of a run's packed codes and each byte value, the
+    sum of its codes' levels times their rows of ``rows`` (``[components, D]``, scaled basis)."""
+    per = 8 // bits
+    n_bytes = -(-rows.shape[0] // per)
+    pad = n_bytes * per - rows.shape[0]
+    if pad:  # codes past the last component are zero bits in the byte; give them zero rows
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    levels_of_byte = _byte_level_table(bits, levels, str(rows.device)).to(rows.dtype)   # [256, per]
+    return levels_of_byte @ rows.reshape(n_bytes, per, -1)
 
 
 def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels: str,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotate_half", "apply_rope", "undo_rope"]
+__all__ = ["rotate_half", "apply_rope", "undo_rope", "pair_order", "rope_phases", "apply_rope_paired"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -43,3 +43,23 @@ def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
         raise ValueError(f"RoPE needs an even head size, got {x.shape[-1]}")
     cos, sin = _broadcastable(x, cos), _broadcastable(x, sin)
     return x * cos - rotate_half(x) * sin
+
+
+def pair_order(head_dim: int, device=None) -> torch.Tensor:
+    """Channel order ``[0, h, 1, h+1, ...]`` (h = d/2) that puts each RoPE pair side by side."""
+    half = head_dim // 2
+    return torch.stack([torch.arange(half, device=device), torch.arange(half, 2 * half, device=device)], -1).reshape(-1)
+
+
+def rope_phases(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation of each pair as a unit complex number ``cos + i·sin``: ``[..., T, d/2]`` complex."""
+    half = cos.shape[-1] // 2
+    return torch.complex(cos[..., :half].float(), sin[..., :half].float())
+
+
+def apply_rope_paired(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` for ``x`` (float32, ``[..., T, d]``) whose channels are in `pair_order`: one
+    complex product per pair instead of the rotate-half arithmetic (several times faster on CPU).
+    Returns the rotated rows in the same pair order."""
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * phases).reshape(x.shape)

@@ -58,7 +58,7 @@ from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
 from kvshrink.codecs.pca import COEFF_LEVELS, PCACode, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances
-from kvshrink.codecs.rope import apply_rope, undo_rope
+from kvshrink.codecs.rope import apply_rope_paired, pair_order, rope_phases, undo_rope
 from kvshrink.codecs.vq import assign_codes, check_codebook_size, fit_codebook, gaussian_codebook
 
 STREAM_BITS = (2, 3, 4, 8)
@@ -184,17 +184,26 @@ class ShardShared:
         self.layer_key_bits: list[float] = [cfg.key_bits] * num_layers
         self.num_layers = num_layers
         self._rope_ctx: StepContext | None = None
-        self._rope_memo: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_memo: dict[tuple, object] = {}
 
     def rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``start .. start+n-1``, memoised per step."""
+        return self._memo(ctx, ("cos_sin", start, n), lambda: self._cos_sin(ctx, start, n))
+
+    def phases(self, ctx: StepContext, start: int, n: int) -> torch.Tensor:
+        """RoPE rotations ``[B, 1, n, d/2]`` (complex) of token indices ``start .. start+n-1``, memoised."""
+        return self._memo(ctx, ("phases", start, n), lambda: rope_phases(*self.rope(ctx, start, n)).unsqueeze(1))
+
+    def _cos_sin(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.arange(start, start + n, device=ctx.offset.device)
+        cos, sin = ctx.rope(ctx.positions(index))
+        return cos.float(), sin.float()
+
+    def _memo(self, ctx: StepContext, key: tuple, make):
         if self._rope_ctx is not ctx:
             self._rope_ctx, self._rope_memo = ctx, {}
-        key = (start, n)
         if key not in self._rope_memo:
-            index = torch.arange(start, start + n, device=ctx.offset.device)
-            cos, sin = ctx.rope(ctx.positions(index))
-            self._rope_memo[key] = (cos.float(), sin.float())
+            self._rope_memo[key] = make()
         return self._rope_memo[key]
 
     def end_of_step(self) -> None:
@@ -402,13 +411,21 @@ class ShardLayer(CacheLayer):
             self.shared.end_of_step()
         return parts
 
-    def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext) -> torch.Tensor:
-        """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes."""
-        pre = torch.cat([code.decode(start, stop) for code in block.keys], dim=-1)  # [B, n, H*d]
+    def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
+                    paired: bool = False) -> torch.Tensor:
+        """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes.
+
+        The codes are decoded with each head's channels in RoPE `pair_order` (a free permutation of
+        the basis) so RoPE is one complex product; ``paired=True`` returns them in that order (score
+        them against queries in the same order), else in the model's order."""
+        pairs = pair_order(self.d, device=block.v_codes.device)
+        scopes = len(block.keys)
+        columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // scopes)])
+        pre = torch.cat([code.decode(start, stop, columns=columns) for code in block.keys], dim=-1)  # [B, n, H*d]
         b, n = pre.shape[0], pre.shape[1]
         pre = pre.reshape(b, n, self.h_kv, self.d).transpose(1, 2)
-        cos, sin = self.shared.rope(ctx, block.start + start, n)
-        return apply_rope(pre, cos, sin)
+        keys = apply_rope_paired(pre, self.shared.phases(ctx, block.start + start, n))
+        return keys if paired else keys[..., torch.argsort(pairs)]
 
     def middle_values(self, block: MiddleBlock, probs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``probs [B, H_kv, R, n] @ V[start:stop]`` ``[B, H_kv, R, d]`` from the VQ codes."""
@@ -433,12 +450,13 @@ class ShardLayer(CacheLayer):
 
     def middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         qg = group_queries(query.float(), self.h_kv)  # [B, H_kv, R, d]
+        qg = qg[..., pair_order(self.d, device=qg.device)]  # the keys come in RoPE pair order
         b, _, r, _ = qg.shape
         step = max(64, min(self.cfg.block_tokens, _SCORE_ELEMENTS // max(1, b * self.h_kv * r)))
         parts = []
         for start in range(0, block.n, step):
             stop = min(block.n, start + step)
-            keys = self.middle_keys(block, start, stop, ctx)
+            keys = self.middle_keys(block, start, stop, ctx, paired=True)
             probs, lse = _softmax_part(qg @ keys.transpose(-1, -2) * ctx.scaling)
             out = self.middle_values(block, probs, start, stop)
             parts.append(Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1])))
