@@ -208,6 +208,20 @@ def test_pca_lloyd_levels_beat_uniform_at_low_bits():
         torch.testing.assert_close(code.decode(), code.coefficients() @ code.basis().T + code.mean.float())
 
 
+@pytest.mark.parametrize("levels", ["uniform", "lloyd"])
+def test_pca_table_decoding_equals_the_product_for_mixed_widths(levels):
+    """Byte lookup tables (2/4/8 bits) and the product fallback (6 bits) give coefficients @ basis."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 300, 20, generator=g) * torch.linspace(4, 0.2, 20)
+    fit = fit_pca(x.reshape(-1, 20), 20)
+    code = encode_pca(x, fit, [8] * 3 + [6] * 3 + [4] * 5 + [2] * 7 + [0] * 2, levels=levels)
+    expected = code.coefficients() @ code.basis().T + code.mean.float()
+    torch.testing.assert_close(code.decode(), expected, atol=1e-5, rtol=1e-5)
+    order = torch.randperm(20, generator=g)
+    decode = code.decoder(columns=order)
+    torch.testing.assert_close(decode(40, 90), expected[:, 40:90, order], atol=1e-5, rtol=1e-5)
+
+
 def test_pca_spread_scaling_beats_absmax_at_2_bits():
     g = torch.Generator().manual_seed(0)
     x = torch.distributions.StudentT(4.0).sample((4000, 8))  # heavy tails, like PCA coefficients

@@ -116,7 +116,7 @@ def test_bytes_count_every_tensor():
     h, d, n = 2, 16, 480
     expected = (4 + 16) * h * d * 2 * 2  # fp16 sinks + window, K and V
     code = block.keys[0]
-    expected += sum(r[3].numel() for r in code.runs)  # packed coefficients
+    expected += code.codes.numel()  # packed coefficients
     expected += code.rank * (2 + 2) + h * d * 2 + h * d * code.rank  # steps, basis scales, mean, int8 basis
     expected += n * h * (d // 4) + 256 * 4 * 2 + h * d * 2  # VQ indices, codebook, channel scales
     assert layer.nbytes() == expected

@@ -213,14 +213,16 @@ def quantize_basis(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class PCACode:
     """Rows ``[..., N, D]`` coded as ``mean + coefficients @ basis.T`` (dropped components excluded).
 
-    ``runs`` holds ``(bits, start, stop, packed)``: components ``start:stop`` (of the kept ones)
-    share ``bits``; ``packed`` is ``[..., N, ceil((stop-start)*bits/8)]`` uint8.
+    ``codes`` ``[..., N, bytes]`` uint8 holds every row's packed coefficients; ``runs`` lists
+    ``(bits, start, stop, byte_start, byte_stop)``: components ``start:stop`` (of the kept ones) share
+    ``bits`` and are packed in bytes ``byte_start:byte_stop`` of each row.
     """
 
     mean: torch.Tensor  # [D] fp16
     basis_q: torch.Tensor  # [D, r_kept] int8
     basis_scale: torch.Tensor  # [r_kept] fp16
     coeff_step: torch.Tensor  # [r_kept] fp16
+    codes: torch.Tensor  # [..., N, bytes] uint8
     runs: list = field(default_factory=list)
     levels: str = "uniform"
     n: int = 0
@@ -231,7 +233,7 @@ class PCACode:
         return self.basis_q.shape[1]
 
     def parts(self) -> dict[str, list[torch.Tensor]]:
-        return {"codes": [r[3] for r in self.runs],
+        return {"codes": [self.codes],
                 "scales": [self.coeff_step],
                 "bases": [self.mean, self.basis_q, self.basis_scale]}
 
@@ -251,51 +253,63 @@ class PCACode:
         return torch.cat(cols, dim=-1) * self.coeff_step.to(dtype)
 
     def _run_levels(self, run, start: int, stop: int, dtype) -> torch.Tensor:
-        bits, a, b, packed = run
-        rows = packed[..., start:stop, :]
+        bits, a, b, byte_a, byte_b = run
+        rows = self.codes[..., start:stop, byte_a:byte_b]
         if 8 % bits == 0:  # one gather per byte: a table from byte value to its codes' levels
-            table = _byte_level_table(bits, self.levels, str(packed.device)).to(dtype)
+            table = _byte_level_table(bits, self.levels, str(rows.device)).to(dtype)
             out = table[rows.long()]  # [..., n, bytes, 8/bits]
             return out.reshape(*out.shape[:-2], -1)[..., : b - a]
         codes = unpack_bits(rows, bits, b - a)
-        return unit_levels(bits, self.levels, packed.device).to(dtype)[codes]
+        return unit_levels(bits, self.levels, rows.device).to(dtype)[codes]
 
     def decode(self, start: int = 0, stop: int | None = None, dtype=torch.float32,
                columns: torch.Tensor | None = None) -> torch.Tensor:
-        """Reconstructed rows ``[..., n, D]`` (only rows ``start:stop``: decode block by block).
+        """Reconstructed rows ``[..., n, D]`` (only rows ``start:stop``). To decode several blocks of
+        rows, build a `decoder` once and call it per block."""
+        return self.decoder(dtype, columns)(start, self.n if stop is None else stop)
+
+    def decoder(self, dtype=torch.float32, columns: torch.Tensor | None = None):
+        """A function ``(start, stop) -> rows [..., stop-start, D]``.
 
         ``columns`` (a permutation of ``0..D-1``) returns the columns in that order at no extra cost
         (e.g. RoPE pairs side by side, so the caller can rotate them as complex numbers).
 
         Byte lookup tables instead of a product with the basis: each packed byte holds ``8/bits``
         codes, so its contribution to a row is one of 256 precomputed ``D``-vectors (the codes' levels
-        times their scaled basis rows). A row is then the mean plus one table row per byte, summed
-        by ``embedding_bag``: ``bytes x D`` additions instead of ``r x D`` multiply-adds, and no
-        per-code level lookup. Runs whose codes straddle bytes (6 bits) use the product."""
-        stop = self.n if stop is None else stop
+        times their scaled basis rows; the mean is folded into the first byte's table). A row is then
+        one table row per byte, summed by ``embedding_bag``: ``bytes x D`` additions instead of
+        ``r x D`` multiply-adds and a per-code level lookup. The tables are built once per decoder.
+        Runs whose codes straddle bytes (6 bits) use the product."""
         scaled = (self.basis(dtype) * self.coeff_step.to(dtype)).T  # [r_kept, D]
         mean = self.mean.to(dtype)
         if columns is not None:
             scaled, mean = scaled[:, columns], mean[columns]
-        out = mean.expand(*self.lead_shape, stop - start, mean.shape[0])
-        tables, indices, base = [], [], 0
-        for run in self.runs:
-            bits, a, b, packed = run
-            if 8 % bits:
-                out = out + self._run_levels(run, start, stop, dtype) @ scaled[a:b]
-                continue
-            table = _byte_lookup_table(bits, self.levels, scaled[a:b])     # [bytes, 256, D]
-            n_bytes = table.shape[0]
-            offsets = base + 256 * torch.arange(n_bytes, device=packed.device)
-            indices.append(packed[..., start:stop, :].long() + offsets)
-            tables.append(table.reshape(n_bytes * 256, -1))
-            base += n_bytes * 256
-        if tables:
-            index = torch.cat(indices, dim=-1)
-            summed = torch.nn.functional.embedding_bag(index.reshape(-1, index.shape[-1]), torch.cat(tables),
-                                                       mode="sum")
-            out = out + summed.reshape(*index.shape[:-1], -1)
-        return out
+        aligned = [run for run in self.runs if 8 % run[0] == 0]
+        straddling = [run for run in self.runs if 8 % run[0]]
+        if not aligned:
+            def by_product(start: int, stop: int) -> torch.Tensor:
+                out = mean.expand(*self.lead_shape, stop - start, mean.shape[0])
+                for run in straddling:
+                    out = out + self._run_levels(run, start, stop, dtype) @ scaled[run[1]:run[2]]
+                return out
+            return by_product
+        tables = torch.cat([_byte_lookup_table(bits, self.levels, scaled[a:b]) for bits, a, b, _, _ in aligned])
+        tables[0] += mean                                   # each row takes exactly one entry of byte 0
+        tables = tables.reshape(-1, mean.shape[0])          # [bytes * 256, D]
+        byte_cols = torch.cat([torch.arange(ba, bb, device=self.codes.device) for _, _, _, ba, bb in aligned])
+        every_byte = byte_cols.numel() == self.codes.shape[-1]
+        offsets = (256 * torch.arange(byte_cols.numel(), device=self.codes.device)).int()
+
+        def by_tables(start: int, stop: int) -> torch.Tensor:
+            rows = self.codes[..., start:stop, :]
+            rows = rows if every_byte else rows[..., byte_cols]
+            index = rows.int() + offsets
+            out = torch.nn.functional.embedding_bag(index.reshape(-1, index.shape[-1]), tables, mode="sum")
+            out = out.reshape(*index.shape[:-1], -1)
+            for run in straddling:
+                out = out + self._run_levels(run, start, stop, dtype) @ scaled[run[1]:run[2]]
+            return out
+        return by_tables
 
 
 def _byte_lookup_table(bits: int, levels: str, rows: torch.Tensor) -> torch.Tensor:
@@ -347,7 +361,7 @@ def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | tor
     std = sample.reshape(-1, coeffs.shape[-1]).std(0).clamp_min(1e-8) if sample.numel() else \
         torch.ones(coeffs.shape[-1], device=coeffs.device)
     steps = torch.empty_like(std)
-    runs, start = [], 0
+    runs, packed, start, n_bytes = [], [], 0, 0
     kept_bits = [bits[i] for i in order]
     while start < len(kept_bits):
         b = kept_bits[start]
@@ -360,8 +374,11 @@ def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | tor
         step16 = steps[start:stop].to(torch.float16).float()
         steps[start:stop] = step16
         q = _quantize_unit(coeffs[..., start:stop] / step16, b, levels)
-        runs.append((b, start, stop, pack_bits(q, b)))
+        packed.append(pack_bits(q, b))
+        runs.append((b, start, stop, n_bytes, n_bytes + packed[-1].shape[-1]))
+        n_bytes = runs[-1][-1]
         start = stop
-    return PCACode(mean=mean16, basis_q=basis_q, basis_scale=basis_scale,
-                   coeff_step=steps.to(torch.float16), runs=runs, levels=levels, n=x.shape[-2],
-                   lead_shape=tuple(x.shape[:-2]))
+    codes = torch.cat(packed, dim=-1) if packed else \
+        torch.zeros(*x.shape[:-1], 0, dtype=torch.uint8, device=x.device)
+    return PCACode(mean=mean16, basis_q=basis_q, basis_scale=basis_scale, coeff_step=steps.to(torch.float16),
+                   codes=codes, runs=runs, levels=levels, n=x.shape[-2], lead_shape=tuple(x.shape[:-2]))

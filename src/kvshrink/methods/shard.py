@@ -24,8 +24,10 @@ stream:
   ``stream_bits``, optional 1-bit QJL residual), for K and V.
 
 Attention is computed from the compressed store block by block: for each block of at most
-``block_tokens`` middle tokens the pre-RoPE keys are rebuilt from the coefficients (one small matrix
-product), RoPE is re-applied at the tokens' positions, scores are taken and the values are
+``block_tokens`` middle tokens the pre-RoPE keys are rebuilt from the coefficients (byte lookup
+tables summed by ``embedding_bag``, see `PCACode.decoder`), RoPE is re-applied as one complex product
+per channel pair at the tokens' positions (the decoded channels come in pair order), scores are taken
+and the values are
 accumulated in the code domain (probabilities summed per codeword per channel group, one product
 with the codebook, scaling and inverse rotation once per block). The full-precision K or V of the
 middle segment never exists for the whole sequence. Each segment answers with a `Partial`
@@ -92,7 +94,7 @@ class ShardConfig:
     seed: int = 0
     exact_dtype: str = "float16"
     min_block: int = 64
-    block_tokens: int = 4096
+    block_tokens: int = 8192
     key_alloc: str = "layer"
     calibration_tokens: int = 512
 
@@ -164,7 +166,7 @@ OPTIONS = {
     "seed": Option(0, "seed of the rotations and codebooks"),
     "exact_dtype": Option("float16", "dtype of the exact sinks and window", choices=tuple(EXACT_DTYPES)),
     "min_block": Option(64, "fewest prompt tokens compressed by PCA/VQ at once (fewer go to the stream)"),
-    "block_tokens": Option(4096, "middle tokens decoded at once during attention"),
+    "block_tokens": Option(8192, "middle tokens decoded at once during attention (bounds its transient memory)"),
     "key_alloc": Option("layer", "key budget: 'layer' (each layer key_bits) or 'global' (shared by all "
                         "layers by a DP on calibrated per-layer spectra)", choices=KEY_ALLOCS),
     "calibration_tokens": Option(512, "tokens of calibration text for key_alloc='global'"),
@@ -411,21 +413,26 @@ class ShardLayer(CacheLayer):
             self.shared.end_of_step()
         return parts
 
-    def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
-                    paired: bool = False) -> torch.Tensor:
-        """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes.
-
-        The codes are decoded with each head's channels in RoPE `pair_order` (a free permutation of
-        the basis) so RoPE is one complex product; ``paired=True`` returns them in that order (score
-        them against queries in the same order), else in the model's order."""
+    def key_decoders(self, block: MiddleBlock) -> list:
+        """One decoder per PCA scope of ``block`` (its lookup tables built once), giving each head's
+        channels in RoPE `pair_order` (a free permutation of the basis) so RoPE is one complex product."""
         pairs = pair_order(self.d, device=block.v_codes.device)
-        scopes = len(block.keys)
-        columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // scopes)])
-        pre = torch.cat([code.decode(start, stop, columns=columns) for code in block.keys], dim=-1)  # [B, n, H*d]
-        b, n = pre.shape[0], pre.shape[1]
-        pre = pre.reshape(b, n, self.h_kv, self.d).transpose(1, 2)
-        keys = apply_rope_paired(pre, self.shared.phases(ctx, block.start + start, n))
-        return keys if paired else keys[..., torch.argsort(pairs)]
+        columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
+        return [code.decoder(columns=columns) for code in block.keys]
+
+    def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
+                    paired: bool = False, decoders: list | None = None) -> torch.Tensor:
+        """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes;
+        ``paired=True`` returns each head's channels in RoPE pair order (score them against queries
+        in the same order), else in the model's order."""
+        decoders = decoders or self.key_decoders(block)
+        if len(decoders) == self.h_kv:   # per-head PCA: [B, n, d] per head
+            pre = torch.stack([decode(start, stop) for decode in decoders], dim=1)
+        else:                            # one PCA over the layer: [B, n, H*d]
+            pre = decoders[0](start, stop)
+            pre = pre.reshape(pre.shape[0], pre.shape[1], self.h_kv, self.d).transpose(1, 2)
+        keys = apply_rope_paired(pre, self.shared.phases(ctx, block.start + start, stop - start))
+        return keys if paired else keys[..., torch.argsort(pair_order(self.d, device=keys.device))]
 
     def middle_values(self, block: MiddleBlock, probs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``probs [B, H_kv, R, n] @ V[start:stop]`` ``[B, H_kv, R, d]`` from the VQ codes."""
@@ -454,9 +461,10 @@ class ShardLayer(CacheLayer):
         b, _, r, _ = qg.shape
         step = max(64, min(self.cfg.block_tokens, _SCORE_ELEMENTS // max(1, b * self.h_kv * r)))
         parts = []
+        decoders = self.key_decoders(block)
         for start in range(0, block.n, step):
             stop = min(block.n, start + step)
-            keys = self.middle_keys(block, start, stop, ctx, paired=True)
+            keys = self.middle_keys(block, start, stop, ctx, paired=True, decoders=decoders)
             probs, lse = _softmax_part(qg @ keys.transpose(-1, -2) * ctx.scaling)
             out = self.middle_values(block, probs, start, stop)
             parts.append(Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1])))
