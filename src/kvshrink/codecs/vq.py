@@ -40,7 +40,7 @@ def assign_codes(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> 
     for s in range(0, x.shape[0], chunk):
         xs = x[s:s + chunk].float()
         # ||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2; ||x||^2 does not change the argmin.
-        out[s:s + chunk] = (c_sq - 2 * xs @ c.T).argmin(dim=1)
+        out[s:s + chunk] = torch.addmm(c_sq, xs, c.T, alpha=-2).argmin(dim=1)
     return out
 
 

@@ -59,7 +59,9 @@ from kvshrink.cache.store import held_bytes
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
-from kvshrink.codecs.pca import COEFF_LEVELS, PCACode, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances
+from kvshrink.codecs.pca import (
+    COEFF_LEVELS, PCA_BITS, PCACode, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances, unit_levels,
+)
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, rope_phases, undo_rope
 from kvshrink.codecs.vq import assign_codes, check_codebook_size, fit_codebook, gaussian_codebook
 
@@ -184,6 +186,10 @@ class ShardShared:
         self.turbo = TurboQuantizer(head_dim, cfg.stream_bits, qjl=cfg.qjl, seed=cfg.seed + 1)
         self.v_codebook = gaussian_codebook(cfg.v_group, cfg.v_codebook, seed=cfg.seed)
         self.layer_key_bits: list[float] = [cfg.key_bits] * num_layers
+        # The key coefficient levels of every width the bit allocation may pick, computed now (once per
+        # process) rather than inside the first prompt's prefill.
+        for bits in PCA_BITS[1:]:
+            unit_levels(bits, cfg.k_levels)
         self.num_layers = num_layers
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
