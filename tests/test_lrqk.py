@@ -51,7 +51,8 @@ def test_topk_covering_every_token_equals_full(request, model_name, factor_heads
     model = request.getfixturevalue(model_name)
     ids, mask = _batch()
     ref, _ = _generate(model, "full", ids, mask)
-    out, cache = _generate(model, "lrqk", ids, mask, top_k=64, window=4, factor_heads=factor_heads)
+    out, cache = _generate(model, "lrqk", ids, mask, top_k=64, window=4, factor_heads=factor_heads,
+                           slot_dtype="model")  # rows as the model holds them: exactly full
     assert torch.equal(ref.sequences, out.sequences)
     for a, b in zip(ref.logits, out.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -62,9 +62,10 @@ OPTIONS = {
     "prefill_chunk": Option(None, "block of past tokens read at once by chunked-prefill attention", type=int),
     "factor_heads": Option("kv", "key factors per KV head (kv) or per query head (query)", choices=FACTOR_HEADS),
     "factor_dtype": Option("float16", "dtype of the stored key factors", choices=tuple(_FACTOR_DTYPES)),
-    "slot_dtype": Option("model", "dtype of the K/V rows in fast memory (slots, window): model or "
-                                  "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
-                         choices=("model", *_FACTOR_DTYPES)),
+    "slot_dtype": Option("auto", "dtype of the K/V rows in fast memory (slots, window): auto (the model's dtype "
+                                 "if 16-bit, else float16, as an fp16 cache holds them), model, or "
+                                 "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
+                         choices=("auto", "model", *_FACTOR_DTYPES)),
     "selection": Option("proxy", "proxy (LRQK) or exact (diagnostic: exact scores read from the slow tier, "
                                  "the selection LRQK approximates)", choices=("proxy", "exact")),
     "fit_resident": Option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)"),
@@ -101,7 +102,7 @@ class LRQKLayer(CacheLayer):
                  iters: int = 2, tol: float = 1e-2, lam: float = 1.0, fast_device: str = "auto",
                  slow_tier: str = "cpu", disk_folder: str | None = None, policy: str = "set",
                  extra_slots: int | None = None, prefetch: bool = False, prefill_chunk: int | None = None,
-                 factor_heads: str = "kv", factor_dtype: str = "float16", slot_dtype: str = "model",
+                 factor_heads: str = "kv", factor_dtype: str = "float16", slot_dtype: str = "auto",
                  selection: str = "proxy", fit_resident: bool = True, update_bases: bool = True,
                  seed: int = 0, measure_recall: bool = False):
         super().__init__(spec)
@@ -122,7 +123,7 @@ class LRQKLayer(CacheLayer):
         self.block = prefill_chunk or 1024
         self.per_query_head = factor_heads == "query"
         self.factor_dtype = _FACTOR_DTYPES[factor_dtype]
-        self.slot_dtype = None if slot_dtype == "model" else _FACTOR_DTYPES[slot_dtype]
+        self.slot_dtype_option = slot_dtype
         self.update_bases = update_bases
         self.fit_resident = fit_resident
         self.exact_selection = selection == "exact"
@@ -185,8 +186,8 @@ class LRQKLayer(CacheLayer):
         b, hkv, _, d = key.shape
         self.slow = make_slow_tier(self.slow_kind, b * hkv, d, key.dtype, self.disk_folder)
         device = self._fast_device(key)
-        self.slots = SlotTier(b * hkv, self.top_k + self.slot_extra, d, self.slot_dtype or key.dtype, device,
-                              self.policy)
+        dtype = _slot_dtype(self.slot_dtype_option, key.dtype)
+        self.slots = SlotTier(b * hkv, self.top_k + self.slot_extra, d, dtype, device, self.policy)
 
     # ---- attention -----------------------------------------------------------------------------------
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
@@ -483,6 +484,12 @@ class LRQKLayer(CacheLayer):
         out["fast_tier_bytes"] = float(self.nbytes())
         out["slow_tier_bytes"] = float(self.slow_tier_bytes())
         return out
+
+
+def _slot_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
+    if option == "model" or (option == "auto" and model_dtype.itemsize == 2):
+        return model_dtype
+    return torch.float16 if option == "auto" else _FACTOR_DTYPES[option]
 
 
 def _check_writable(folder: str) -> None:
