@@ -33,10 +33,11 @@ def check_equivalence(cache, batch, seed=1):
         torch.testing.assert_close(got.lse, want.lse, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scope", ["layer", "head"])
-def test_attention_from_packed_store_equals_dequantized_attention(scope):
+@pytest.mark.parametrize("scope,weights", [("layer", "none"), ("head", "none"), ("layer", "query"), ("head", "query")])
+def test_attention_from_packed_store_equals_dequantized_attention(scope, weights):
     model = tiny_llama()
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100, pca_scope=scope)
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100, pca_scope=scope,
+                                key_weights=weights)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[0]

@@ -224,6 +224,7 @@ class PCACode:
     coeff_step: torch.Tensor  # [r_kept] fp16
     codes: torch.Tensor  # [..., N, bytes] uint8
     runs: list = field(default_factory=list)
+    column_scale: torch.Tensor | None = None  # [D] fp16: rows were coded divided by it (see encode_pca)
     levels: str = "uniform"
     n: int = 0
     lead_shape: tuple = ()  # leading dims of the coded rows (e.g. batch)
@@ -234,7 +235,7 @@ class PCACode:
 
     def parts(self) -> dict[str, list[torch.Tensor]]:
         return {"codes": [self.codes],
-                "scales": [self.coeff_step],
+                "scales": [self.coeff_step] + ([self.column_scale] if self.column_scale is not None else []),
                 "bases": [self.mean, self.basis_q, self.basis_scale]}
 
     def nbytes(self) -> int:
@@ -282,6 +283,8 @@ class PCACode:
         Runs whose codes straddle bytes (6 bits) use the product."""
         scaled = (self.basis(dtype) * self.coeff_step.to(dtype)).T  # [r_kept, D]
         mean = self.mean.to(dtype)
+        if self.column_scale is not None:
+            scaled, mean = scaled * self.column_scale.to(dtype), mean * self.column_scale.to(dtype)
         if columns is not None:
             scaled, mean = scaled[:, columns], mean[columns]
         aligned = [run for run in self.runs if 8 % run[0] == 0]
@@ -339,10 +342,14 @@ def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels
 
 
 def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | torch.Tensor,
-               fit_rows: torch.Tensor | None = None, levels: str = "uniform") -> PCACode:
+               fit_rows: torch.Tensor | None = None, levels: str = "uniform",
+               column_scale: torch.Tensor | None = None) -> PCACode:
     """Code rows ``x`` ``[..., N, D]`` with ``fit``; component ``i`` gets ``bits_per_component[i]``
     bits (0 = dropped). ``fit_rows`` (bool ``[..., N]``) marks the rows used to choose the steps
-    (e.g. excluding padding); default all. ``levels``: see `unit_levels`."""
+    (e.g. excluding padding); default all. ``levels``: see `unit_levels`.
+
+    ``column_scale`` (``[D]``, stored in fp16): ``x`` (and ``fit``) are rows already divided by it
+    column by column (a weighting of the columns' errors); decoding multiplies it back."""
     unit_levels(2, levels)  # validates the name
     bits = [int(b) for b in bits_per_component]
     if len(bits) != fit.basis.shape[1]:
@@ -381,4 +388,5 @@ def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | tor
     codes = torch.cat(packed, dim=-1) if packed else \
         torch.zeros(*x.shape[:-1], 0, dtype=torch.uint8, device=x.device)
     return PCACode(mean=mean16, basis_q=basis_q, basis_scale=basis_scale, coeff_step=steps.to(torch.float16),
-                   codes=codes, runs=runs, levels=levels, n=x.shape[-2], lead_shape=tuple(x.shape[:-2]))
+                   codes=codes, runs=runs, levels=levels, n=x.shape[-2], lead_shape=tuple(x.shape[:-2]),
+                   column_scale=None if column_scale is None else column_scale.to(torch.float16))

@@ -70,6 +70,9 @@ EXACT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 V_FITS = ("gaussian", "kmeans")
 KEY_ALLOCS = ("layer", "global")
 PCA_SCOPES = ("layer", "head")
+KEY_WEIGHTS = ("none", "query")
+# Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
+_MIN_QUERY_WEIGHT = 1e-2
 
 # Score elements per block of middle tokens (bounds the transient memory of prefill-with-past).
 _SCORE_ELEMENTS = 1 << 22
@@ -99,6 +102,7 @@ class ShardConfig:
     block_tokens: int = 8192
     key_alloc: str = "layer"
     calibration_tokens: int = 512
+    key_weights: str = "none"
 
     def validate(self, head_dim: int, num_kv_heads: int) -> None:
         def bad(msg: str):
@@ -138,6 +142,8 @@ class ShardConfig:
             bad(f"pca_scope must be one of {PCA_SCOPES}, got {self.pca_scope!r}")
         if self.key_alloc not in KEY_ALLOCS:
             bad(f"key_alloc must be one of {KEY_ALLOCS}, got {self.key_alloc!r}")
+        if self.key_weights not in KEY_WEIGHTS:
+            bad(f"key_weights must be one of {KEY_WEIGHTS}, got {self.key_weights!r}")
         if self.calibration_tokens < 16:
             bad(f"calibration_tokens must be >= 16, got {self.calibration_tokens}")
 
@@ -172,6 +178,9 @@ OPTIONS = {
     "key_alloc": Option("layer", "key budget: 'layer' (each layer key_bits) or 'global' (shared by all "
                         "layers by a DP on calibrated per-layer spectra)", choices=KEY_ALLOCS),
     "calibration_tokens": Option(512, "tokens of calibration text for key_alloc='global'"),
+    "key_weights": Option("none", "key PCA error weights per channel: 'none' (plain key error) or 'query' (each "
+                          "RoPE pair weighted by the prompt's mean query energy in it: the score error)",
+                          choices=KEY_WEIGHTS),
 }
 
 
@@ -403,9 +412,12 @@ class ShardLayer(CacheLayer):
         self.middle: list[MiddleBlock] = []
         self.stream = Stream()
         self.decoding = False
+        self._query_energy: torch.Tensor | None = None   # key_weights="query": [H_kv, d] of the prompt
 
     # ---- attention ---------------------------------------------------------------------------------
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        if ctx.q_len > 1 and self.cfg.key_weights == "query":
+            self._query_energy = self.query_pair_energy(query, ctx)
         parts = []
         if len(self.head):
             parts.append(self.head.partial(query, ctx.scaling, ctx.pad_len))
@@ -519,17 +531,44 @@ class ShardLayer(CacheLayer):
         bits = iter(allocate_bits(variances, flat_sizes, budget, drop_penalty=self.cfg.drop_penalty))
         return [[b for s in sz for b in [next(bits)] * s] for sz in sizes]
 
+    def query_pair_energy(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[H_kv, d]``: mean squared query of each KV head's group per RoPE pair (both channels of a
+        pair alike: RoPE only rotates within pairs, so this is position-free), over real tokens."""
+        qg = group_queries(query.float(), self.h_kv).pow(2)                      # [B, H_kv, G*q, d]
+        q = query.shape[2]
+        real = torch.ones(query.shape[0], q, device=qg.device)
+        if ctx.pad_len is not None:
+            real = (ctx.new_index[None, -q:] >= ctx.pad_len[:, None]).float().to(qg.device)
+        real = real.repeat(1, qg.shape[2] // q)[:, None, :, None]               # rows are (group, token)
+        energy = (qg * real).sum((0, 2)) / real.sum().clamp_min(1)
+        half = self.d // 2
+        pair = (energy[:, :half] + energy[:, half:]) / 2
+        return torch.cat([pair, pair], dim=-1)
+
+    def key_column_scale(self, width: int) -> torch.Tensor | None:
+        """Per scope column, what the pre-RoPE keys are divided by before PCA: ``1/sqrt(weight)``, so
+        the PCA and the bit allocation minimise the query-weighted error (fp16, as stored)."""
+        energy = self._query_energy
+        if self.cfg.key_weights != "query" or energy is None:
+            return None
+        weight = (energy / energy.mean().clamp_min(1e-30)).clamp_min(_MIN_QUERY_WEIGHT)
+        return weight.rsqrt().reshape(-1, width).to(torch.float16)             # [scopes, width]
+
     def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext) -> MiddleBlock:
         b, h, n, d = key.shape
         cos, sin = self.shared.rope(ctx, start, n)
         pre = undo_rope(key, cos, sin).transpose(1, 2).reshape(b, n, h * d)  # [B, n, H*d]
         scopes = h if self.cfg.pca_scope == "head" else 1
         width = h * d // scopes
+        column_scale = self.key_column_scale(width)
         parts = [pre[..., s * width:(s + 1) * width] for s in range(scopes)]
+        scales = [None] * scopes if column_scale is None else list(column_scale)
+        parts = [x if c is None else x / c.float() for x, c in zip(parts, scales)]
         rank = min(self.cfg.rank or width, width)
         fits = [fit_pca(x.reshape(b * n, width), rank, seed=self.cfg.seed) for x in parts]
         bits = self.key_bits_per_component([f.variances for f in fits])
-        keys = [encode_pca(x, f, bb, levels=self.cfg.k_levels) for x, f, bb in zip(parts, fits, bits)]
+        keys = [encode_pca(x, f, bb, levels=self.cfg.k_levels, column_scale=c)
+                for x, f, bb, c in zip(parts, fits, bits, scales)]
         v_codes, codebook, scale = self.encode_values(value)
         return MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook, v_scale=scale)
 
@@ -593,3 +632,4 @@ class ShardLayer(CacheLayer):
         dtype = EXACT_DTYPES[self.cfg.exact_dtype]
         self.head, self.window = ExactRun(dtype), ExactRun(dtype)
         self.middle, self.stream, self.decoding = [], Stream(), False
+        self._query_energy = None
