@@ -54,6 +54,11 @@ def test_byte_accounting_by_hand():
     assert full.fp16_nbytes() == 2 * 2 * 2 * 16 * tokens * 2 * 2
     assert full.compression_ratio() == pytest.approx(full.fp16_nbytes() / full.nbytes())
     assert full.compression_ratio() == pytest.approx(0.5, rel=1e-3)
+    half = kvshrink.make_cache("full", model, dtype="float16")   # the fp16 cache ratios are quoted against
+    _, half_logits = greedy(model, ids, mask, half, new_tokens=5)
+    assert half.nbytes() == full.fp16_nbytes() + bookkeeping
+    _, full_logits = greedy(model, ids, mask, kvshrink.make_cache("full", model), new_tokens=5)
+    torch.testing.assert_close(half_logits, full_logits, atol=1e-2, rtol=1e-2)
     stream = kvshrink.make_cache("streaming", model, sinks=2, window=8)
     greedy(model, ids, mask, stream, new_tokens=5)
     kept = 2 + 8

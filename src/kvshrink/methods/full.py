@@ -1,16 +1,27 @@
-"""``full``: every token exactly, in the model's dtype. The reference every method is judged against."""
+"""``full``: every token exactly, in the model's dtype. The reference every method is judged against.
+
+``full:dtype=float16`` keeps every token rounded to fp16 instead: the fp16 cache that compression
+ratios are quoted against, and on an fp32 model a measure of how much rounding alone changes answers.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from kvshrink.cache.base import StepContext
+from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.exact_layer import ExactLayer
-from kvshrink.cache.registry import register_method
+from kvshrink.cache.registry import Option, register_method
+
+DTYPES = {"model": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-@register_method("full", "exact cache in the model's dtype (the reference)")
+@register_method("full", "exact cache in the model's dtype (the reference)", options={
+    "dtype": Option("model", "storage dtype: the model's, or float16/bfloat16/float32", choices=tuple(DTYPES)),
+})
 class FullLayer(ExactLayer):
+    def __init__(self, spec: LayerSpec, dtype: str = "model"):
+        super().__init__(spec, DTYPES[dtype])
+
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         self.store.append(key, value, ctx.new_index)
 
