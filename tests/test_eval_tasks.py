@@ -204,6 +204,13 @@ def test_suite_overrides_and_errors():
     assert suite.tasks["agreement"].lengths == (1024,)  # agreement keeps its short prompts
     with pytest.raises(ValueError, match="unknown task"):
         resolve_suite("quick", ["nia"])
+    with pytest.raises(ValueError, match="unknown subtask"):
+        resolve_suite("quick", ["ruler"], subtasks=["niah_single"])
+    with pytest.raises(ValueError, match="belongs to ruler"):
+        resolve_suite("quick", ["ruler"], subtasks=["prose"])
+    picked = resolve_suite("quick", None, subtasks=["niah_single_noise", "code"])
+    assert picked.tasks["ruler"].subtasks == ("niah_single_noise",)
+    assert picked.tasks["agreement"].subtasks == ("code",)
     with pytest.raises(ValueError, match="unknown suite"):
         resolve_suite("huge")
     with pytest.raises(ValueError, match="depths"):

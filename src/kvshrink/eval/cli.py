@@ -60,6 +60,7 @@ def register(subparsers) -> None:
     ev.add_argument("--methods", required=True, help='comma-separated method specs, e.g. "full,streaming:window=256"')
     ev.add_argument("--lengths", type=_int_list, help="context lengths in tokens (all tasks but agreement)")
     ev.add_argument("--depths", type=_float_list, help="NIAH needle depths in percent, e.g. 0,25,50,75,100")
+    ev.add_argument("--subtasks", help="RULER subtasks / agreement domains to run (comma list; default all)")
     ev.add_argument("--samples", type=int, help="samples per task setting")
     ev.add_argument("--limit", type=int, help="at most this many prompts per task")
     ev.add_argument("--repeats", type=int, help="cost: repeats per method (medians are reported)")
@@ -84,8 +85,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from .suites import resolve_suite
 
     tasks = [t.strip() for t in args.task.split(",")] if args.task else None
+    subtasks = [t.strip() for t in args.subtasks.split(",")] if args.subtasks else None
     suite = resolve_suite(args.suite, tasks, args.lengths, args.depths, args.samples,
-                          args.agreement_tokens, args.repeats)
+                          args.agreement_tokens, args.repeats, subtasks)
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     options = RunOptions(seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,

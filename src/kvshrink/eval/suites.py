@@ -45,9 +45,12 @@ SUITES: dict[str, Suite] = {
 
 def resolve_suite(name: str, tasks: list[str] | None = None, lengths: list[int] | None = None,
                   depths: list[float] | None = None, samples: int | None = None,
-                  new_tokens: int | None = None, repeats: int | None = None) -> Suite:
+                  new_tokens: int | None = None, repeats: int | None = None,
+                  subtasks: list[str] | None = None) -> Suite:
     """The suite restricted to ``tasks`` with the user's overrides. ``lengths`` applies to every task
-    but ``agreement``, whose prompts stay short (decode drift is what it measures)."""
+    but ``agreement``, whose prompts stay short (decode drift is what it measures); ``subtasks``
+    restricts ``ruler`` and ``agreement`` (each keeps the names it knows; a name neither knows is an
+    error)."""
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; allowed: {', '.join(SUITES)}")
     suite = SUITES[name]
@@ -62,6 +65,12 @@ def resolve_suite(name: str, tasks: list[str] | None = None, lengths: list[int] 
         raise ValueError(f"lengths must be positive, got {lengths}")
     if depths is not None and any(not 0 <= d <= 100 for d in depths):
         raise ValueError(f"depths are percentages in [0, 100], got {depths}")
+    if subtasks is not None:
+        known = set(RULER_SUBTASKS) | set(AGREEMENT_DOMAINS)
+        unknown = [t for t in subtasks if t not in known]
+        if unknown or not subtasks:
+            raise ValueError(f"unknown subtask(s) {unknown}; RULER: {', '.join(RULER_SUBTASKS)}; "
+                             f"agreement: {', '.join(AGREEMENT_DOMAINS)}")
     plans = {}
     for task in chosen:
         plan = suite.tasks[task]
@@ -75,5 +84,12 @@ def resolve_suite(name: str, tasks: list[str] | None = None, lengths: list[int] 
             plan = replace(plan, new_tokens=new_tokens)
         if repeats is not None and task == "cost":
             plan = replace(plan, repeats=repeats)
+        if subtasks is not None and task in ("ruler", "agreement"):
+            kept = tuple(t for t in plan.subtasks if t in subtasks)
+            if not kept and tasks:
+                raise ValueError(f"none of the subtasks {subtasks} belongs to {task}: {', '.join(plan.subtasks)}")
+            if not kept:
+                continue  # the suite's default tasks: the chosen subtasks all belong to the other one
+            plan = replace(plan, subtasks=kept)
         plans[task] = plan
     return Suite(suite.name, plans, suite.ppl_tokens)
