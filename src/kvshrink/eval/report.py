@@ -93,21 +93,33 @@ def summary_markdown(rows: list[dict]) -> str:
              "time ratio to full's in the same repeat (each in its own process), at the longest cost "
              "length. peak MB: RSS growth during "
              "prefill+decode at the longest cost length."]
-    parts += ["", niah_table(rows), "", ruler_table(rows), "", cost_table(rows)]
+    parts += ["", niah_table(rows), "", ruler_length_table(rows), "", ruler_table(rows), "", ppl_table(rows), "",
+              cost_table(rows)]
     return "\n".join(p for p in parts if p is not None) + "\n"
 
 
-def niah_table(rows: list[dict]) -> str:
-    niah = [r for r in rows if r["task"] == "niah"]
-    if not niah:
+def _by_length(rows: list[dict], task: str, title: str, field: str = "score", fmt: str = "{:.0f}") -> str:
+    picked = [r for r in rows if r["task"] == task and r.get(field) is not None]
+    if not picked:
         return ""
-    lengths = sorted({r["length"] for r in niah})
+    lengths = sorted({r["length"] for r in picked})
     body = []
-    for spec in spec_order(niah):
-        body.append([spec] + [_fmt("{:.0f}", _mean(r["score"] for r in niah
-                                                     if r["spec"] == spec and r["length"] == L))
+    for spec in spec_order(picked):
+        body.append([spec] + [_fmt(fmt, _mean(r[field] for r in picked if r["spec"] == spec and r["length"] == L))
                               for L in lengths])
-    return "## NIAH by length (mean over depths)\n\n" + markdown_table(["method spec"] + [str(L) for L in lengths], body)
+    return f"## {title}\n\n" + markdown_table(["method spec"] + [str(L) for L in lengths], body)
+
+
+def niah_table(rows: list[dict]) -> str:
+    return _by_length(rows, "niah", "NIAH by length (mean over depths)")
+
+
+def ruler_length_table(rows: list[dict]) -> str:
+    return _by_length(rows, "ruler", "RULER by length (mean over subtasks and samples)")
+
+
+def ppl_table(rows: list[dict]) -> str:
+    return _by_length(rows, "ppl", "Perplexity / full by length (mean over samples)", "ppl_ratio", "{:.3f}")
 
 
 def ruler_table(rows: list[dict]) -> str:
