@@ -9,7 +9,7 @@ from kvshrink.codecs import (
     fit_pca, hadamard_matrix, lloyd_max_centroids, pack_bits, packed_size, pair_order, rope_phases, undo_rope,
     unpack_bits, vq_encode,
 )
-from kvshrink.codecs.pca import gaussian_uniform_step, modelled_error
+from kvshrink.codecs.pca import TableDecoder, gaussian_uniform_step, modelled_error
 
 
 def llama_cos_sin(positions, d, theta=10000.0):
@@ -220,6 +220,13 @@ def test_pca_table_decoding_equals_the_product_for_mixed_widths(levels):
     order = torch.randperm(20, generator=g)
     decode = code.decoder(columns=order)
     torch.testing.assert_close(decode(40, 90), expected[:, 40:90, order], atol=1e-5, rtol=1e-5)
+    # several codes at once (different byte layouts, one with no byte-aligned run at all)
+    others = [encode_pca(x, fit, [2] * 20, levels=levels), encode_pca(x, fit, [6] * 4 + [0] * 16, levels=levels)]
+    stacked = TableDecoder([code] + others, columns=order)(40, 90)
+    for i, c in enumerate([code] + others):
+        torch.testing.assert_close(stacked[:, i], c.decode(40, 90, columns=order), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(TableDecoder(others[1:])(0, 300)[:, 0], others[1].coefficients() @ others[1].basis().T
+                               + others[1].mean.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_pca_spread_scaling_beats_absmax_at_2_bits():

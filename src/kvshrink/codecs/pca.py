@@ -29,7 +29,7 @@ from .bitpack import pack_bits, unpack_bits
 
 __all__ = [
     "COEFF_LEVELS", "unit_levels", "PCAFit", "fit_pca", "group_sizes", "group_variances", "allocate_bits", "modelled_error",
-    "PCA_BITS", "gaussian_uniform_step", "PCACode", "encode_pca", "quantize_basis",
+    "PCA_BITS", "gaussian_uniform_step", "PCACode", "TableDecoder", "encode_pca", "quantize_basis",
 ]
 
 PCA_BITS = (0, 2, 4, 6, 8)
@@ -270,49 +270,90 @@ class PCACode:
         return self.decoder(dtype, columns)(start, self.n if stop is None else stop)
 
     def decoder(self, dtype=torch.float32, columns: torch.Tensor | None = None):
-        """A function ``(start, stop) -> rows [..., stop-start, D]``.
+        """A function ``(start, stop) -> rows [..., stop-start, D]`` (see `TableDecoder`)."""
+        stacked = TableDecoder([self], dtype, columns)
+        return lambda start, stop: stacked(start, stop).squeeze(-3)
 
-        ``columns`` (a permutation of ``0..D-1``) returns the columns in that order at no extra cost
-        (e.g. RoPE pairs side by side, so the caller can rotate them as complex numbers).
-
-        Byte lookup tables instead of a product with the basis: each packed byte holds ``8/bits``
-        codes, so its contribution to a row is one of 256 precomputed ``D``-vectors (the codes' levels
-        times their scaled basis rows; the mean is folded into the first byte's table). A row is then
-        one table row per byte, summed by ``embedding_bag``: ``bytes x D`` additions instead of
-        ``r x D`` multiply-adds and a per-code level lookup. The tables are built once per decoder.
-        Runs whose codes straddle bytes (6 bits) use the product."""
-        scaled = (self.basis(dtype) * self.coeff_step.to(dtype)).T  # [r_kept, D]
+    def _scaled_basis(self, dtype, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(basis rows times their steps [r_kept, D], mean [D])`` as decoding uses them."""
+        scaled = (self.basis(dtype) * self.coeff_step.to(dtype)).T
         mean = self.mean.to(dtype)
         if self.column_scale is not None:
             scaled, mean = scaled * self.column_scale.to(dtype), mean * self.column_scale.to(dtype)
         if columns is not None:
             scaled, mean = scaled[:, columns], mean[columns]
-        aligned = [run for run in self.runs if 8 % run[0] == 0]
-        straddling = [run for run in self.runs if 8 % run[0]]
-        if not aligned:
-            def by_product(start: int, stop: int) -> torch.Tensor:
-                out = mean.expand(*self.lead_shape, stop - start, mean.shape[0])
-                for run in straddling:
-                    out = out + self._run_levels(run, start, stop, dtype) @ scaled[run[1]:run[2]]
-                return out
-            return by_product
-        tables = torch.cat([_byte_lookup_table(bits, self.levels, scaled[a:b]) for bits, a, b, _, _ in aligned])
-        tables[0] += mean                                   # each row takes exactly one entry of byte 0
-        tables = tables.reshape(-1, mean.shape[0])          # [bytes * 256, D]
-        byte_cols = torch.cat([torch.arange(ba, bb, device=self.codes.device) for _, _, _, ba, bb in aligned])
-        every_byte = byte_cols.numel() == self.codes.shape[-1]
-        offsets = (256 * torch.arange(byte_cols.numel(), device=self.codes.device)).int()
+        return scaled, mean
 
-        def by_tables(start: int, stop: int) -> torch.Tensor:
-            rows = self.codes[..., start:stop, :]
-            rows = rows if every_byte else rows[..., byte_cols]
-            index = rows.int() + offsets
-            out = torch.nn.functional.embedding_bag(index.reshape(-1, index.shape[-1]), tables, mode="sum")
-            out = out.reshape(*index.shape[:-1], -1)
-            for run in straddling:
-                out = out + self._run_levels(run, start, stop, dtype) @ scaled[run[1]:run[2]]
-            return out
-        return by_tables
+
+class TableDecoder:
+    """Decodes rows ``start:stop`` of one or more `PCACode` with the same rows and width at once:
+    ``[..., codes, n, D]`` (e.g. the per-head key codes of one block, straight into head layout).
+
+    Byte lookup tables instead of a product with the basis: each packed byte holds ``8/bits``
+    codes, so its contribution to a row is one of 256 precomputed ``D``-vectors (the codes' levels
+    times their scaled basis rows; the mean is folded into the first byte's table). A row is then one
+    table row per byte, summed by ``embedding_bag``: ``bytes x D`` additions instead of ``r x D``
+    multiply-adds and a per-code level lookup. The tables of all codes are built once, when the
+    decoder is made, and one ``embedding_bag`` serves every code (rows with fewer bytes point their
+    spare slots at a zero row). Runs whose codes straddle bytes (6 bits) use the product.
+
+    ``columns`` (a permutation of ``0..D-1``) returns the columns in that order at no extra cost
+    (e.g. RoPE pairs side by side, so the caller can rotate them as complex numbers).
+    """
+
+    def __init__(self, codes: list[PCACode], dtype=torch.float32, columns: torch.Tensor | None = None):
+        self.codes, self.dtype = codes, dtype
+        device = codes[0].codes.device
+        tables, self.offsets, self.byte_cols, self.products = [], [], [], []
+        base = 0
+        for code in codes:
+            scaled, mean = code._scaled_basis(dtype, columns)
+            aligned = [run for run in code.runs if 8 % run[0] == 0]
+            # What the tables cannot hold: the mean when no table takes it, and straddling runs.
+            extra = [(run, scaled[run[1]:run[2]]) for run in code.runs if 8 % run[0]]
+            code_tables = [_byte_lookup_table(bits, code.levels, scaled[a:b]) for bits, a, b, _, _ in aligned]
+            if code_tables:
+                table = torch.cat(code_tables)
+                table[0] += mean                          # each row takes exactly one entry of byte 0
+                tables.append(table.reshape(-1, mean.shape[0]))
+            cols = [torch.arange(ba, bb, device=device) for _, _, _, ba, bb in aligned]
+            cols = torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long, device=device)
+            self.byte_cols.append(None if cols.numel() == code.codes.shape[-1] else cols)
+            self.offsets.append((base + 256 * torch.arange(cols.numel(), device=device)).int())
+            base += 256 * cols.numel()
+            self.products.append((None if code_tables else mean, extra))
+        self.width = max(o.numel() for o in self.offsets)
+        self.zero_row = base
+        width_d = codes[0].mean.shape[0]
+        self.tables = torch.cat(tables + [torch.zeros(1, width_d, dtype=dtype, device=device)])
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        if self.width == 0:   # no code has a byte-aligned run: means and products only
+            code = self.codes[0]
+            out = torch.zeros(*code.lead_shape, len(self.codes), stop - start, self.tables.shape[1],
+                              dtype=self.dtype, device=self.tables.device)
+            return self._add_products(out, start, stop)
+        index = []
+        for code, cols, offsets in zip(self.codes, self.byte_cols, self.offsets):
+            rows = code.codes[..., start:stop, :]
+            rows = (rows if cols is None else rows[..., cols]).int() + offsets
+            if rows.shape[-1] < self.width:
+                rows = torch.nn.functional.pad(rows, (0, self.width - rows.shape[-1]), value=self.zero_row)
+            index.append(rows)
+        index = torch.stack(index, dim=-3)                                   # [..., codes, n, bytes]
+        out = torch.nn.functional.embedding_bag(index.reshape(-1, self.width), self.tables, mode="sum")
+        return self._add_products(out.reshape(*index.shape[:-1], -1), start, stop)
+
+    def _add_products(self, out: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        for i, (code, (mean, extra)) in enumerate(zip(self.codes, self.products)):
+            if mean is None and not extra:
+                continue
+            part = out[..., i, :, :]
+            if mean is not None:
+                part += mean
+            for run, scaled in extra:
+                part += code._run_levels(run, start, stop, self.dtype) @ scaled
+        return out
 
 
 def _byte_lookup_table(bits: int, levels: str, rows: torch.Tensor) -> torch.Tensor:

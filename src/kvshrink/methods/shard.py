@@ -60,7 +60,7 @@ from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
 from kvshrink.codecs.pca import (
-    COEFF_LEVELS, PCA_BITS, PCACode, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances, unit_levels,
+    COEFF_LEVELS, PCA_BITS, PCACode, TableDecoder, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances, unit_levels,
 )
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, rope_phases, undo_rope
 from kvshrink.codecs.vq import assign_codes, check_codebook_size, fit_codebook, gaussian_codebook
@@ -431,24 +431,22 @@ class ShardLayer(CacheLayer):
             self.shared.end_of_step()
         return parts
 
-    def key_decoders(self, block: MiddleBlock) -> list:
-        """One decoder per PCA scope of ``block`` (its lookup tables built once), giving each head's
-        channels in RoPE `pair_order` (a free permutation of the basis) so RoPE is one complex product."""
+    def key_decoder(self, block: MiddleBlock) -> TableDecoder:
+        """The decoder of ``block``'s key codes (lookup tables built once), giving each head's channels
+        in RoPE `pair_order` (a free permutation of the basis) so RoPE is one complex product."""
         pairs = pair_order(self.d, device=block.v_codes.device)
         columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
-        return [code.decoder(columns=columns) for code in block.keys]
+        return TableDecoder(block.keys, columns=columns)
 
     def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
-                    paired: bool = False, decoders: list | None = None) -> torch.Tensor:
+                    paired: bool = False, decoder: TableDecoder | None = None) -> torch.Tensor:
         """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes;
         ``paired=True`` returns each head's channels in RoPE pair order (score them against queries
         in the same order), else in the model's order."""
-        decoders = decoders or self.key_decoders(block)
-        if len(decoders) == self.h_kv:   # per-head PCA: [B, n, d] per head
-            pre = torch.stack([decode(start, stop) for decode in decoders], dim=1)
-        else:                            # one PCA over the layer: [B, n, H*d]
-            pre = decoders[0](start, stop)
-            pre = pre.reshape(pre.shape[0], pre.shape[1], self.h_kv, self.d).transpose(1, 2)
+        pre = (decoder or self.key_decoder(block))(start, stop)     # [B, scopes, n, H*d/scopes]
+        if pre.shape[1] != self.h_kv:                                # one PCA over the layer
+            b, _, n, _ = pre.shape
+            pre = pre.reshape(b, n, self.h_kv, self.d).transpose(1, 2)
         keys = apply_rope_paired(pre, self.shared.phases(ctx, block.start + start, stop - start))
         return keys if paired else keys[..., torch.argsort(pair_order(self.d, device=keys.device))]
 
@@ -479,10 +477,10 @@ class ShardLayer(CacheLayer):
         b, _, r, _ = qg.shape
         step = max(64, min(self.cfg.block_tokens, _SCORE_ELEMENTS // max(1, b * self.h_kv * r)))
         parts = []
-        decoders = self.key_decoders(block)
+        decoder = self.key_decoder(block)
         for start in range(0, block.n, step):
             stop = min(block.n, start + step)
-            keys = self.middle_keys(block, start, stop, ctx, paired=True, decoders=decoders)
+            keys = self.middle_keys(block, start, stop, ctx, paired=True, decoder=decoder)
             probs, lse = _softmax_part(qg @ keys.transpose(-1, -2) * ctx.scaling)
             out = self.middle_values(block, probs, start, stop)
             parts.append(Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1])))
