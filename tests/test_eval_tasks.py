@@ -121,6 +121,7 @@ def test_samples_are_reproducible_from_the_seed():
     b1, b2 = tasks.Builder(WordTokenizer(), seed=1), tasks.Builder(WordTokenizer(), seed=2)
     assert b1.niah(800, 50).expected == tasks.Builder(WordTokenizer(), seed=1).niah(800, 50).expected
     assert b1.niah(800, 50).expected != b2.niah(800, 50).expected
+    assert b1.niah(800, 50.0).input_ids == b1.niah(800, 50).input_ids   # --depths 50 is the suite's depth 50
 
 
 @pytest.mark.parametrize("subtask", tasks.RULER_SUBTASKS)

@@ -179,7 +179,9 @@ class Builder:
 
     # -- NIAH --------------------------------------------------------------------------------
     def niah(self, length: int, depth_percent: float, index: int = 0) -> Sample:
-        rng = sample_rng(self.seed, "niah", length, depth_percent, index)
+        # 25 and 25.0 are the same depth: seed from one spelling so --depths 25 rebuilds the suite's prompt.
+        depth_key = int(depth_percent) if float(depth_percent).is_integer() else float(depth_percent)
+        rng = sample_rng(self.seed, "niah", length, depth_key, index)
         city, value = rng.choice(CITIES), seven_digits(rng)
 
         def build(n: int) -> Built:
