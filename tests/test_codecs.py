@@ -9,6 +9,7 @@ from kvshrink.codecs import (
     fit_pca, hadamard_matrix, lloyd_max_centroids, pack_bits, packed_size, pair_order, rope_phases, undo_rope,
     unpack_bits, vq_encode,
 )
+from kvshrink.codecs.bitpack import byte_codes, lookup_packed
 from kvshrink.codecs.pca import TableDecoder, gaussian_uniform_step, modelled_error
 
 
@@ -50,6 +51,9 @@ def test_pack_unpack_round_trip(bits, n):
     assert packed.dtype == torch.uint8
     assert packed.shape == (3, 2, packed_size(n, bits)) == (3, 2, math.ceil(n * bits / 8))
     assert torch.equal(unpack_bits(packed, bits, n), codes)
+    if 8 % bits == 0:  # one gather per byte gives the same values as unpacking then indexing
+        values = torch.randn(1 << bits, generator=g)
+        assert torch.equal(lookup_packed(packed, values[byte_codes(bits)], n), values[codes])
 
 
 def test_pack_rejects_bad_bits():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "unpack_bits", "packed_size"]
+__all__ = ["pack_bits", "unpack_bits", "packed_size", "byte_codes", "lookup_packed"]
 
 
 def packed_size(n: int, bits: int) -> int:
@@ -75,3 +75,19 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     stream = stream.reshape(*lead, n, bits)
     shifts = torch.arange(bits, device=p.device, dtype=torch.int32)
     return (stream << shifts).sum(dim=-1).long()
+
+
+def byte_codes(bits: int, device=None) -> torch.Tensor:
+    """``[256, 8 // bits]`` int64: the codes `pack_bits` stores in each byte value (``bits`` dividing 8)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"byte_codes needs bits dividing 8, got {bits!r}")
+    per = 8 // bits
+    byte = torch.arange(256, device=device).unsqueeze(1)
+    return (byte >> (torch.arange(per, device=device) * bits)) & ((1 << bits) - 1)
+
+
+def lookup_packed(packed: torch.Tensor, byte_values: torch.Tensor, n: int) -> torch.Tensor:
+    """``values[unpack_bits(packed, bits, n)]`` in one gather: ``byte_values`` is ``values[byte_codes(bits)]``
+    (``[256, 8 // bits]``), so each byte yields its codes' values at once, with no shifting or masking."""
+    out = byte_values[packed.long()]                     # [..., bytes, 8/bits]
+    return out.reshape(*out.shape[:-2], -1)[..., :n]

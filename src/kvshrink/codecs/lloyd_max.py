@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bitpack import pack_bits, unpack_bits
+from .bitpack import byte_codes, lookup_packed, pack_bits, unpack_bits
 from .hadamard import RandomRotation
 
 __all__ = ["lloyd_max_centroids", "lloyd_max_boundaries", "TurboCode", "TurboQuantizer", "TURBO_BITS"]
@@ -108,7 +108,9 @@ class TurboQuantizer:
         if t is None:
             cb = self._codebook64.to(device=device, dtype=dtype)
             sk = None if self._sketch64 is None else self._sketch64.to(device=device, dtype=dtype)
-            t = (cb, lloyd_max_boundaries(cb).contiguous(), sk)
+            # the centroids of the codes in each byte value, for one-gather decoding
+            per_byte = cb[byte_codes(self.bits, device)] if 8 % self.bits == 0 else None
+            t = (cb, lloyd_max_boundaries(cb).contiguous(), sk, per_byte)
             self._cache[key] = t
         return t
 
@@ -116,7 +118,7 @@ class TurboQuantizer:
         if x.shape[-1] != self.dim:
             raise ValueError(f"last dim must be {self.dim}, got {tuple(x.shape)}")
         xf = x.float()
-        cb, bounds, sketch = self._tables(x.device)
+        cb, bounds, sketch, _ = self._tables(x.device)
         norm = xf.norm(dim=-1)
         unit = xf / norm.clamp_min(1e-12).unsqueeze(-1)
         y = self.rotation.rotate(unit)
@@ -130,8 +132,11 @@ class TurboQuantizer:
 
     def decode_rotated(self, code: TurboCode, dtype=torch.float32) -> torch.Tensor:
         """Reconstruction in the rotated domain, ``rotate(decode(code))``."""
-        cb, _, sketch = self._tables(code.codes.device, dtype)
-        y = cb[unpack_bits(code.codes, self.bits, self.dim)]
+        cb, _, sketch, per_byte = self._tables(code.codes.device, dtype)
+        if per_byte is not None:
+            y = lookup_packed(code.codes, per_byte, self.dim)
+        else:
+            y = cb[unpack_bits(code.codes, self.bits, self.dim)]
         if self.qjl:
             z = unpack_bits(code.qjl_signs, 1, self.dim).to(dtype) * 2 - 1
             y = y + (math.sqrt(math.pi / 2) / self.dim) * code.qjl_norm.to(dtype).unsqueeze(-1) * (z @ sketch)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .bitpack import pack_bits, unpack_bits
+from .bitpack import byte_codes, lookup_packed, pack_bits, unpack_bits
 
 __all__ = [
     "COEFF_LEVELS", "unit_levels", "PCAFit", "fit_pca", "group_sizes", "group_variances", "allocate_bits", "modelled_error",
@@ -180,10 +180,7 @@ def unit_levels(bits: int, kind: str, device=None) -> torch.Tensor:
 @functools.lru_cache(maxsize=32)
 def _byte_level_table(bits: int, levels: str, device: str) -> torch.Tensor:
     """``[256, 8 // bits]``: the levels of the codes packed in each byte value (`pack_bits` order)."""
-    per = 8 // bits
-    byte = torch.arange(256, device=device).unsqueeze(1)
-    codes = (byte >> (torch.arange(per, device=device) * bits)) & ((1 << bits) - 1)
-    return unit_levels(bits, levels, device)[codes]
+    return unit_levels(bits, levels, device)[byte_codes(bits, device)]
 
 
 def _quantize_unit(z: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
@@ -257,9 +254,7 @@ class PCACode:
         bits, a, b, byte_a, byte_b = run
         rows = self.codes[..., start:stop, byte_a:byte_b]
         if 8 % bits == 0:  # one gather per byte: a table from byte value to its codes' levels
-            table = _byte_level_table(bits, self.levels, str(rows.device)).to(dtype)
-            out = table[rows.long()]  # [..., n, bytes, 8/bits]
-            return out.reshape(*out.shape[:-2], -1)[..., : b - a]
+            return lookup_packed(rows, _byte_level_table(bits, self.levels, str(rows.device)).to(dtype), b - a)
         codes = unpack_bits(rows, bits, b - a)
         return unit_levels(bits, self.levels, rows.device).to(dtype)[codes]
 

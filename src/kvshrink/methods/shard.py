@@ -418,18 +418,25 @@ class ShardLayer(CacheLayer):
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         if ctx.q_len > 1 and self.cfg.key_weights == "query":
             self._query_energy = self.query_pair_energy(query, ctx)
-        parts = []
-        if len(self.head):
-            parts.append(self.head.partial(query, ctx.scaling, ctx.pad_len))
+        parts = [self.exact_partial(query, ctx)] if len(self.head) or len(self.window) else []
         for block in self.middle:
             parts.extend(self.middle_partials(block, query, ctx))
         if self.stream.n:
             parts.append(self.stream_partial(query, ctx.scaling))
-        if len(self.window):
-            parts.append(self.window.partial(query, ctx.scaling, ctx.pad_len))
         if self.layer_idx == self.info.num_layers - 1:
             self.shared.end_of_step()
         return parts
+
+    def exact_partial(self, query: torch.Tensor, ctx: StepContext) -> Partial:
+        """One exact attention over the sinks and the window together (they are tiny: one kernel call
+        and one fewer partial to merge per layer and step, rather than two)."""
+        runs = [run for run in (self.head, self.window) if len(run)]
+        if len(runs) == 1:
+            return runs[0].partial(query, ctx.scaling, ctx.pad_len)
+        device = self.window.keys.device
+        index = torch.cat([torch.arange(r.start, r.start + len(r), device=device) for r in runs])
+        return exact_partial(query, torch.cat([r.keys for r in runs], dim=2), torch.cat([r.values for r in runs], dim=2),
+                             ctx.scaling, key_index=index, pad_len=ctx.pad_len)
 
     def key_decoder(self, block: MiddleBlock) -> TableDecoder:
         """The decoder of ``block``'s key codes (lookup tables built once), giving each head's channels
