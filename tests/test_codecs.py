@@ -229,6 +229,9 @@ def test_pca_table_decoding_equals_the_product_for_mixed_widths(levels):
     stacked = TableDecoder([code] + others, columns=order)(40, 90)
     for i, c in enumerate([code] + others):
         torch.testing.assert_close(stacked[:, i], c.decode(40, 90, columns=order), atol=1e-5, rtol=1e-5)
+    half = TableDecoder([code] + others, columns=order, table_dtype=torch.float16)(40, 90)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, stacked, atol=2e-2, rtol=2e-3)
     torch.testing.assert_close(TableDecoder(others[1:])(0, 300)[:, 0], others[1].coefficients() @ others[1].basis().T
                                + others[1].mean.float(), atol=1e-5, rtol=1e-5)
 

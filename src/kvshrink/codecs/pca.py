@@ -294,33 +294,48 @@ class TableDecoder:
 
     ``columns`` (a permutation of ``0..D-1``) returns the columns in that order at no extra cost
     (e.g. RoPE pairs side by side, so the caller can rotate them as complex numbers).
+    ``table_dtype`` (e.g. float16) keeps the tables narrower when no value can overflow it: the gathers
+    then stream half the memory, and the rounding (about 1e-3 relative) is far below the codes' own.
     """
 
-    def __init__(self, codes: list[PCACode], dtype=torch.float32, columns: torch.Tensor | None = None):
+    def __init__(self, codes: list[PCACode], dtype=torch.float32, columns: torch.Tensor | None = None,
+                 table_dtype: torch.dtype | None = None):
         self.codes, self.dtype = codes, dtype
         device = codes[0].codes.device
-        tables, self.offsets, self.byte_cols, self.products = [], [], [], []
-        base = 0
-        for code in codes:
+        aligned = [[run for run in code.runs if 8 % run[0] == 0] for code in codes]
+        n_bytes = [sum(bb - ba for _, _, _, ba, bb in runs) for runs in aligned]
+        width_d = codes[0].mean.shape[0]
+        # Every table written in place into one buffer (the tables of a block are megabytes: no copies),
+        # plus a zero row at the end for the spare byte slots of codes with fewer bytes.
+        self.tables = torch.empty(256 * sum(n_bytes) + 1, width_d, dtype=dtype, device=device)
+        self.tables[-1] = 0
+        self.zero_row = self.tables.shape[0] - 1
+        self.offsets, self.byte_cols, self.products = [], [], []
+        base, bound = 0, 0.0
+        for code, runs, count in zip(codes, aligned, n_bytes):
             scaled, mean = code._scaled_basis(dtype, columns)
-            aligned = [run for run in code.runs if 8 % run[0] == 0]
+            # Largest |value| any table entry or decoded row can take (levels are at most 2**7 in size).
+            top_level = float(unit_levels(max((r[0] for r in code.runs), default=2), code.levels).abs().max())
+            bound = max(bound, float(mean.abs().max() + top_level * scaled.abs().sum(0).max()) if scaled.numel() else 0.0)
+            row = base
+            for bits, a, b, ba, bb in runs:
+                table = self.tables[row: row + 256 * (bb - ba)].view(bb - ba, 256, width_d)
+                _byte_lookup_table(bits, code.levels, scaled[a:b], out=table)
+                row += 256 * (bb - ba)
+            if runs:
+                self.tables[base: base + 256] += mean     # each row takes exactly one entry of its first byte
+            cols = [torch.arange(ba, bb, device=device) for _, _, _, ba, bb in runs]
+            cols = torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long, device=device)
+            self.byte_cols.append(None if count == code.codes.shape[-1] else cols)
+            self.offsets.append((base + 256 * torch.arange(count, device=device)).int())
+            base += 256 * count
             # What the tables cannot hold: the mean when no table takes it, and straddling runs.
             extra = [(run, scaled[run[1]:run[2]]) for run in code.runs if 8 % run[0]]
-            code_tables = [_byte_lookup_table(bits, code.levels, scaled[a:b]) for bits, a, b, _, _ in aligned]
-            if code_tables:
-                table = torch.cat(code_tables)
-                table[0] += mean                          # each row takes exactly one entry of byte 0
-                tables.append(table.reshape(-1, mean.shape[0]))
-            cols = [torch.arange(ba, bb, device=device) for _, _, _, ba, bb in aligned]
-            cols = torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long, device=device)
-            self.byte_cols.append(None if cols.numel() == code.codes.shape[-1] else cols)
-            self.offsets.append((base + 256 * torch.arange(cols.numel(), device=device)).int())
-            base += 256 * cols.numel()
-            self.products.append((None if code_tables else mean, extra))
-        self.width = max(o.numel() for o in self.offsets)
-        self.zero_row = base
-        width_d = codes[0].mean.shape[0]
-        self.tables = torch.cat(tables + [torch.zeros(1, width_d, dtype=dtype, device=device)])
+            self.products.append((None if runs else mean, extra))
+        self.width = max(n_bytes)
+        # Narrower tables halve the memory the gathers stream through; only where no value can overflow.
+        if table_dtype is not None and table_dtype != dtype and bound < torch.finfo(table_dtype).max / 2:
+            self.tables = self.tables.to(table_dtype)
 
     def __call__(self, start: int, stop: int) -> torch.Tensor:
         if self.width == 0:   # no code has a byte-aligned run: means and products only
@@ -328,16 +343,17 @@ class TableDecoder:
             out = torch.zeros(*code.lead_shape, len(self.codes), stop - start, self.tables.shape[1],
                               dtype=self.dtype, device=self.tables.device)
             return self._add_products(out, start, stop)
-        index = []
-        for code, cols, offsets in zip(self.codes, self.byte_cols, self.offsets):
+        lead = self.codes[0].lead_shape
+        # Table row of every byte: written straight into one int32 buffer (byte + its table's offset).
+        index = torch.empty(*lead, len(self.codes), stop - start, self.width, dtype=torch.int32,
+                            device=self.tables.device)
+        for i, (code, cols, offsets) in enumerate(zip(self.codes, self.byte_cols, self.offsets)):
             rows = code.codes[..., start:stop, :]
-            rows = (rows if cols is None else rows[..., cols]).int() + offsets
-            if rows.shape[-1] < self.width:
-                rows = torch.nn.functional.pad(rows, (0, self.width - rows.shape[-1]), value=self.zero_row)
-            index.append(rows)
-        index = torch.stack(index, dim=-3)                                   # [..., codes, n, bytes]
+            rows = rows if cols is None else rows[..., cols]
+            torch.add(rows, offsets, out=index[..., i, :, : offsets.numel()])
+            index[..., i, :, offsets.numel():] = self.zero_row
         out = torch.nn.functional.embedding_bag(index.reshape(-1, self.width), self.tables, mode="sum")
-        return self._add_products(out.reshape(*index.shape[:-1], -1), start, stop)
+        return self._add_products(out.reshape(*index.shape[:-1], -1).to(self.dtype), start, stop)
 
     def _add_products(self, out: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         for i, (code, (mean, extra)) in enumerate(zip(self.codes, self.products)):
@@ -351,7 +367,7 @@ class TableDecoder:
         return out
 
 
-def _byte_lookup_table(bits: int, levels: str, rows: torch.Tensor) -> torch.Tensor:
+def _byte_lookup_table(bits: int, levels: str, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[bytes, 256, D]``: for each byte position of a run's packed codes and each byte value, the
     sum of its codes' levels times their rows of ``rows`` (``[components, D]``, scaled basis)."""
     per = 8 // bits
@@ -360,7 +376,7 @@ def _byte_lookup_table(bits: int, levels: str, rows: torch.Tensor) -> torch.Tens
     if pad:  # codes past the last component are zero bits in the byte; give them zero rows
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
     levels_of_byte = _byte_level_table(bits, levels, str(rows.device)).to(rows.dtype)   # [256, per]
-    return levels_of_byte @ rows.reshape(n_bytes, per, -1)
+    return torch.matmul(levels_of_byte, rows.reshape(n_bytes, per, -1), out=out)
 
 
 def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels: str,

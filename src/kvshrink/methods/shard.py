@@ -443,7 +443,7 @@ class ShardLayer(CacheLayer):
         in RoPE `pair_order` (a free permutation of the basis) so RoPE is one complex product."""
         pairs = pair_order(self.d, device=block.v_codes.device)
         columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
-        return TableDecoder(block.keys, columns=columns)
+        return TableDecoder(block.keys, columns=columns, table_dtype=torch.float16)
 
     def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
                     paired: bool = False, decoder: TableDecoder | None = None) -> torch.Tensor:
