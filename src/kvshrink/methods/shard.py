@@ -25,7 +25,7 @@ stream:
 
 Attention is computed from the compressed store block by block: for each block of at most
 ``block_tokens`` middle tokens the pre-RoPE keys are rebuilt from the coefficients (byte lookup
-tables summed by ``embedding_bag``, see `PCACode.decoder`), RoPE is re-applied as one complex product
+tables summed by ``embedding_bag``, see `codecs.pca.TableDecoder`), RoPE is re-applied as one complex product
 per channel pair at the tokens' positions (the decoded channels come in pair order), scores are taken
 and the values are
 accumulated in the code domain (probabilities summed per codeword per channel group, one product
