@@ -12,6 +12,9 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 
+# Storage dtypes a method option may name (one spelling for every method).
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the storages behind ``tensors``, each storage counted once.

@@ -11,8 +11,9 @@ import torch
 from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.exact_layer import ExactLayer
 from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.store import STORAGE_DTYPES
 
-DTYPES = {"model": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"model": None, **STORAGE_DTYPES}
 
 
 @register_method("full", "exact cache in the model's dtype (the reference)", options={

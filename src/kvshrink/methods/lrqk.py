@@ -28,7 +28,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.cache.store import held_bytes
+from kvshrink.cache.store import STORAGE_DTYPES, held_bytes
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -40,7 +40,6 @@ from kvshrink.codecs.lowrank import (
 from kvshrink.methods.lrqk_tiers import POLICIES, SLOW_TIERS, SlotTier, SlowTier, make_slow_tier, state_tensors
 
 FACTOR_HEADS = ("kv", "query")
-_FACTOR_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # Growth step of the key-factor buffer (tokens): the unused tail is held, so it is counted.
 _FACTOR_BLOCK = 256
 # Index given to slots that are resident but not selected: later than any query, so masked.
@@ -61,11 +60,11 @@ OPTIONS = {
     "prefetch": Option(False, "load the next-ranked rows in the background for the next step"),
     "prefill_chunk": Option(None, "block of past tokens read at once by chunked-prefill attention", type=int),
     "factor_heads": Option("kv", "key factors per KV head (kv) or per query head (query)", choices=FACTOR_HEADS),
-    "factor_dtype": Option("float16", "dtype of the stored key factors", choices=tuple(_FACTOR_DTYPES)),
+    "factor_dtype": Option("float16", "dtype of the stored key factors", choices=tuple(STORAGE_DTYPES)),
     "slot_dtype": Option("auto", "dtype of the K/V rows in fast memory (slots, window): auto (the model's dtype "
                                  "if 16-bit, else float16, as an fp16 cache holds them), model, or "
                                  "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
-                         choices=("auto", "model", *_FACTOR_DTYPES)),
+                         choices=("auto", "model", *STORAGE_DTYPES)),
     "selection": Option("proxy", "proxy (LRQK) or exact (diagnostic: exact scores read from the slow tier, "
                                  "the selection LRQK approximates)", choices=("proxy", "exact")),
     "fit_resident": Option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)"),
@@ -122,7 +121,7 @@ class LRQKLayer(CacheLayer):
         self.slot_extra = self.extra if policy != "set" else 0
         self.block = prefill_chunk or 1024
         self.per_query_head = factor_heads == "query"
-        self.factor_dtype = _FACTOR_DTYPES[factor_dtype]
+        self.factor_dtype = STORAGE_DTYPES[factor_dtype]
         self.slot_dtype_option = slot_dtype
         self.update_bases = update_bases
         self.fit_resident = fit_resident
@@ -489,7 +488,7 @@ class LRQKLayer(CacheLayer):
 def _slot_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
     if option == "model" or (option == "auto" and model_dtype.itemsize == 2):
         return model_dtype
-    return torch.float16 if option == "auto" else _FACTOR_DTYPES[option]
+    return torch.float16 if option == "auto" else STORAGE_DTYPES[option]
 
 
 def _check_writable(folder: str) -> None:

@@ -55,7 +55,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.cache.store import held_bytes
+from kvshrink.cache.store import STORAGE_DTYPES, held_bytes
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
@@ -66,7 +66,6 @@ from kvshrink.codecs.rope import apply_rope_paired, pair_order, rope_phases, und
 from kvshrink.codecs.vq import assign_codes, check_codebook_size, fit_codebook, gaussian_codebook
 
 STREAM_BITS = (2, 3, 4, 8)
-EXACT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 V_FITS = ("gaussian", "kmeans")
 KEY_ALLOCS = ("layer", "global")
 PCA_SCOPES = ("layer", "head")
@@ -126,8 +125,8 @@ class ShardConfig:
             bad(f"need v_iters >= 0 and v_sample >= v_codebook, got {self.v_iters}, {self.v_sample}")
         if self.stream_bits not in STREAM_BITS:
             bad(f"stream_bits must be one of {STREAM_BITS}, got {self.stream_bits}")
-        if self.exact_dtype not in EXACT_DTYPES:
-            bad(f"exact_dtype must be one of {list(EXACT_DTYPES)}, got {self.exact_dtype!r}")
+        if self.exact_dtype not in STORAGE_DTYPES:
+            bad(f"exact_dtype must be one of {list(STORAGE_DTYPES)}, got {self.exact_dtype!r}")
         if self.rank < 0 or self.rank > head_dim * num_kv_heads:
             bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
         if self.pca_group < 0:
@@ -172,7 +171,7 @@ OPTIONS = {
     "stream_bits": Option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS),
     "qjl": Option(False, "add a 1-bit QJL residual sketch to the decode stream"),
     "seed": Option(0, "seed of the rotations and codebooks"),
-    "exact_dtype": Option("float16", "dtype of the exact sinks and window", choices=tuple(EXACT_DTYPES)),
+    "exact_dtype": Option("float16", "dtype of the exact sinks and window", choices=tuple(STORAGE_DTYPES)),
     "min_block": Option(64, "fewest prompt tokens compressed by PCA/VQ at once (fewer go to the stream)"),
     "block_tokens": Option(8192, "middle tokens decoded at once during attention (bounds its transient memory)"),
     "key_alloc": Option("layer", "key budget: 'layer' (each layer key_bits) or 'global' (shared by all "
@@ -406,7 +405,7 @@ class ShardLayer(CacheLayer):
         self.shared = shared
         self.cfg = shared.cfg
         self.h_kv, self.d = self.info.num_kv_heads, self.info.head_dim
-        dtype = EXACT_DTYPES[self.cfg.exact_dtype]
+        dtype = STORAGE_DTYPES[self.cfg.exact_dtype]
         self.head = ExactRun(dtype)
         self.window = ExactRun(dtype)
         self.middle: list[MiddleBlock] = []
@@ -634,7 +633,7 @@ class ShardLayer(CacheLayer):
         return {"middle_tokens": float(sum(b.n for b in self.middle)), "stream_tokens": float(self.stream.n)}
 
     def clear(self) -> None:
-        dtype = EXACT_DTYPES[self.cfg.exact_dtype]
+        dtype = STORAGE_DTYPES[self.cfg.exact_dtype]
         self.head, self.window = ExactRun(dtype), ExactRun(dtype)
         self.middle, self.stream, self.decoding = [], Stream(), False
         self._query_energy = None
