@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import math
 
@@ -277,3 +278,16 @@ def test_vq_exact_on_clustered_data_and_chunked_assignment():
     assert torch.equal(idx_chunked, assign_codes(pts, cb))
     with pytest.raises(ValueError, match="power of two"):
         fit_codebook(pts, 100)
+
+
+def test_pca_column_scale_is_multiplied_back_on_decode():
+    """Rows coded divided by a per-column scale (Shard's key_weights=query) decode to the original rows."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(500, 16, generator=g) * torch.linspace(2, 0.5, 16)
+    scale = torch.linspace(0.25, 4.0, 16).half()
+    scaled = x / scale.float()
+    code = encode_pca(scaled, fit_pca(scaled, 16), [8] * 16, column_scale=scale)
+    unscaled = dataclasses.replace(code, column_scale=None).decode()          # the scaled rows
+    torch.testing.assert_close(code.decode(), unscaled * scale.float(), atol=1e-5, rtol=1e-5)
+    assert (code.decode() - x).pow(2).mean() < 1e-2 * x.pow(2).mean()
+    assert any(t is code.column_scale for t in code.parts()["scales"])  # its bytes are counted

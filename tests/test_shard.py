@@ -172,3 +172,23 @@ def test_global_allocation_builds_per_layer_budgets_on_a_model():
     for layer, bits in zip(cache.layers, budgets):
         k_bits = layer.breakdown()["middle_k_codes"] * 8 / (180 * 2 * 16)
         assert k_bits <= bits + 0.5  # + byte rounding of each packed run
+
+
+def test_query_weighted_keys_store_a_per_channel_scale_from_the_queries():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(5))
+    plain = kvshrink.make_cache("shard", model, sinks=4, window=16)
+    weighted = kvshrink.make_cache("shard", model, sinks=4, window=16, key_weights="query")
+    prefill(model, plain, ids)
+    prefill(model, weighted, ids)
+    assert all(code.column_scale is None for layer in plain.layers for b in layer.middle for code in b.keys)
+    for layer in weighted.layers:
+        energy = layer._query_energy                              # [H_kv, d], pairs alike
+        half = energy.shape[1] // 2
+        torch.testing.assert_close(energy[:, :half], energy[:, half:])
+        scales = torch.stack([code.column_scale.float() for code in layer.middle[0].keys])
+        # a channel's scale is 1/sqrt of its relative query energy: more query energy, finer coding
+        expected = (energy / energy.mean()).clamp_min(1e-2).rsqrt()
+        torch.testing.assert_close(scales, expected, rtol=2e-3, atol=1e-3)
+        assert scales.std() > 0.05
+    assert weighted.nbytes() > plain.nbytes()                     # the scales are counted
