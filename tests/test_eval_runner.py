@@ -45,6 +45,9 @@ def test_rows_hold_every_figure_and_a_rerun_skips_them(tmp_path, setup):
     s_ppl = next(r for r in stream if r["task"] == "ppl")
     f_ppl = next(r for r in full if r["task"] == "ppl")
     assert s_ppl["ppl_ratio"] == pytest.approx(s_ppl["ppl"] / f_ppl["ppl"])
+    # next-token distributions against full's on the same teacher-forced text
+    assert f_ppl["kl"] == 0.0 and f_ppl["top1"] == 100.0
+    assert s_ppl["kl"] > 0 and 0 <= s_ppl["top1"] <= 100
     assert stream[0]["options"] == {"window": "32", "sinks": "4"}
     again, rows2 = run(tmp_path, setup, ["streaming:window=32,sinks=4"], ["niah", "ppl", "agreement"], [300])
     assert again == 0 and len(rows2) == 10

@@ -65,6 +65,20 @@ def test_ruler_all_and_part():
         scoring.score_answer("fuzzy", "x", ["x"])
 
 
+def test_distribution_agreement_is_kl_and_top1_share():
+    import torch
+
+    ref = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]]), -1)
+    assert scoring.distribution_agreement(ref, ref) == (0.0, 100.0)
+    other = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0], [1.5, 1.0, 0.0]]), -1)
+    kl, top1 = scoring.distribution_agreement(ref, other)
+    p = ref[1].exp()
+    assert kl == pytest.approx(float((p * (ref[1] - other[1])).sum()) / 2) and kl > 0
+    assert top1 == 50.0
+    with pytest.raises(ValueError, match="shape"):
+        scoring.distribution_agreement(ref, ref[:1])
+
+
 def test_token_agreement_counts_divergence_and_length():
     assert scoring.token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (100.0, None)
     assert scoring.token_agreement([1, 2, 3, 4], [1, 9, 3, 4]) == (75.0, 1)

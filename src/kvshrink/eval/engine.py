@@ -24,6 +24,7 @@ class ScoreResult:
     count: int
     prefill_s: float
     decode_ms_per_token: float | None
+    logprobs: torch.Tensor | None = None  # [count, vocab] float32 next-token log-probabilities, when kept
 
 
 def model_device(model) -> torch.device:
@@ -87,20 +88,26 @@ def greedy_decode(model, cache, input_ids: list[int], max_new_tokens: int,
 
 @torch.no_grad()
 def score_continuation(model, cache, prefix_ids: list[int], target_ids: list[int],
-                       prefilled: tuple[torch.Tensor, float] | None = None) -> ScoreResult:
+                       prefilled: tuple[torch.Tensor, float] | None = None,
+                       keep_logprobs: bool = False) -> ScoreResult:
     """Negative log-likelihood of ``target_ids`` given the prefix, fed one token at a time so every
-    target token is predicted from what the cache holds (as in decoding)."""
+    target token is predicted from what the cache holds (as in decoding). ``keep_logprobs``: also
+    return every step's next-token log-probabilities (to compare distributions with another cache)."""
     if not target_ids:
         raise ValueError("score_continuation needs at least one target token")
     device = model_device(model)
     logits, prefill_s = prefilled or prefill(model, cache, prefix_ids)
     nll = 0.0
+    kept = []
     t1 = time.perf_counter()
     for i, target in enumerate(target_ids):
-        nll -= float(torch.log_softmax(logits[0].float(), dim=-1)[target])
+        logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+        nll -= float(logprobs[target])
+        if keep_logprobs:
+            kept.append(logprobs.cpu())
         if i < len(target_ids) - 1:
             logits = _step(model, cache, torch.tensor([[target]], device=device))
     _sync(device)
     steps = len(target_ids) - 1
     decode_ms = 1000 * (time.perf_counter() - t1) / steps if steps > 0 else None
-    return ScoreResult(nll, len(target_ids), prefill_s, decode_ms)
+    return ScoreResult(nll, len(target_ids), prefill_s, decode_ms, torch.stack(kept) if kept else None)

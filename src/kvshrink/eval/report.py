@@ -42,6 +42,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             "niah": _mean(r.get("score") for r in rs if r["task"] == "niah"),
             "ruler": _mean(r.get("score") for r in rs if r["task"] == "ruler"),
             "ppl_ratio": _mean(r.get("ppl_ratio") for r in rs if r["task"] == "ppl"),
+            "kl": _mean(r.get("kl") for r in rs if r["task"] == "ppl"),
+            "top1": _mean(r.get("top1") for r in rs if r["task"] == "ppl"),
             "agreement": _mean(r.get("agreement") for r in rs if r["task"] == "agreement"),
             "ratio": _mean(r.get("ratio") for r in quality) or _mean(r.get("ratio") for r in cost),
             "decode_ratio": _max_length_median(cost, "decode_ratio"),
@@ -63,6 +65,8 @@ SUMMARY_COLUMNS = (
     ("niah", "NIAH", "{:.1f}"),
     ("ruler", "RULER", "{:.1f}"),
     ("ppl_ratio", "ppl / full", "{:.3f}"),
+    ("kl", "KL nats", "{:.4f}"),
+    ("top1", "top-1 %", "{:.1f}"),
     ("agreement", "agree %", "{:.1f}"),
     ("ratio", "compression", "{:.2f}x"),
     ("decode_ratio", "decode / full (longest)", "{:.2f}"),
@@ -87,14 +91,14 @@ def summary_markdown(rows: list[dict]) -> str:
     body = [[_fmt(fmt, rec[key]) for key, _, fmt in SUMMARY_COLUMNS] for rec in records]
     parts = ["## Summary", "", markdown_table(header, body), "",
              "NIAH/RULER: mean score 0-100. ppl / full: perplexity ratio to the full cache on the same "
-             "text. agree %: share of greedy tokens identical to the full cache's. compression: fp16 "
+             "text. KL nats: mean KL(full || method) of the next-token distributions over the scored tokens; top-1 %: share of those steps with the same most likely token (both teacher-forced on the same text, so one early difference does not decide later steps). agree %: share of greedy tokens identical to the full cache's. compression: fp16 "
              "bytes / bytes held (mean over NIAH/RULER prompts; a cache kept in the model's dtype holds "
              "fp32 on an fp32 model, so full shows 0.50x). decode, prefill: median over repeats of the "
              "time ratio to full's in the same repeat (each in its own process), at the longest cost "
              "length. peak MB: RSS growth during "
              "prefill+decode at the longest cost length."]
     parts += ["", niah_table(rows), "", ruler_length_table(rows), "", ruler_table(rows), "", ppl_table(rows), "",
-              cost_table(rows)]
+              kl_table(rows), "", cost_table(rows)]
     return "\n".join(p for p in parts if p is not None) + "\n"
 
 
@@ -120,6 +124,10 @@ def ruler_length_table(rows: list[dict]) -> str:
 
 def ppl_table(rows: list[dict]) -> str:
     return _by_length(rows, "ppl", "Perplexity / full by length (mean over samples)", "ppl_ratio", "{:.3f}")
+
+
+def kl_table(rows: list[dict]) -> str:
+    return _by_length(rows, "ppl", "KL(full || method) nats per scored token, by length", "kl", "{:.4f}")
 
 
 def ruler_table(rows: list[dict]) -> str:

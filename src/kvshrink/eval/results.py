@@ -17,7 +17,7 @@ CSV = "results.csv"
 # The CSV column order; dict-valued fields are written as JSON text.
 CSV_FIELDS = (
     "spec", "method", "options", "task", "subtask", "length", "actual_tokens", "depth", "sample",
-    "score", "ppl", "ppl_ratio", "agreement", "first_divergence", "answer", "expected",
+    "score", "ppl", "ppl_ratio", "kl", "top1", "agreement", "first_divergence", "answer", "expected",
     "nbytes", "fp16_nbytes", "ratio", "breakdown", "stats", "prefill_s", "prefill_shared", "decode_ms_per_token",
     "prefill_ratio", "decode_ratio", "peak_rss_mb", "peak_rss_delta_mb", "peak_device_mb",
     "started", "finished",

@@ -12,7 +12,7 @@ from . import cost as cost_task
 from .backend import KVShrinkBackend, cache_figures
 from .engine import eos_token_ids, greedy_decode, score_continuation
 from .results import RowWriter, now, prompt_digest, read_rows, row_key
-from .scoring import perplexity, score_answer, token_agreement
+from .scoring import distribution_agreement, perplexity, score_answer, token_agreement
 from .suites import Suite
 from .tasks import Builder, Sample
 
@@ -99,6 +99,7 @@ class Runner:
                  backend=None, model=None, tokenizer=None):
         self.out_dir = out_dir
         self.specs = with_reference(specs)
+        self._reference_logprobs = None  # full's next-token log-probabilities on the current ppl sample
         self.suite = suite
         self.opt = options
         self.backend = backend or KVShrinkBackend(options.model_ref)
@@ -142,6 +143,7 @@ class Runner:
         bar = tqdm(total=len(todo), desc="evaluating", unit="run", disable=not self.opt.progress, file=sys.stderr)
         for s, digest, specs in group_by_sample(todo):
             prefilled = self.shared_prefill(s, specs)
+            self._reference_logprobs = None  # full's, when full runs on this sample in this process
             for spec in specs:
                 bar.set_postfix_str(f"{spec} {s.task}/{s.subtask} L={s.length}", refresh=False)
                 reference = done.get((REFERENCE, s.task, s.subtask, s.length, s.depth, s.index, digest))
@@ -182,6 +184,17 @@ class Runner:
             return {}
         return {spec: (cache, pre) for spec, cache in zip(specs, caches)}
 
+    def compare_distributions(self, spec: str, logprobs) -> dict:
+        """``kl`` and ``top1`` against full's next-token distributions on the same sample (kept in memory
+        for the sample's other methods; absent when full's row came from an earlier run)."""
+        if spec == REFERENCE:
+            self._reference_logprobs = logprobs
+            return {"kl": 0.0, "top1": 100.0}
+        if self._reference_logprobs is None:
+            return {}
+        kl, top1 = distribution_agreement(self._reference_logprobs, logprobs)
+        return {"kl": kl, "top1": top1}
+
     def run_one(self, s: Sample, spec: str, digest: str, reference: dict | None, stop: set[int],
                 cache=None, prefilled: tuple | None = None) -> dict:
         row = self.base_row(spec, s.task, s.subtask, s.length, s.depth, s.index, digest)
@@ -191,10 +204,12 @@ class Runner:
         if cache is None:
             cache = self.backend.make_cache(spec, self.model)
         if s.metric == "ppl":
-            res = score_continuation(self.model, cache, s.input_ids, s.target_ids, prefilled=prefilled)
+            res = score_continuation(self.model, cache, s.input_ids, s.target_ids, prefilled=prefilled,
+                                     keep_logprobs=True)
             ppl = perplexity(res.nll_sum, res.count)
             row.update(ppl=ppl, scored_tokens=res.count,
                        ppl_ratio=ppl / reference["ppl"] if reference else (1.0 if spec == REFERENCE else None))
+            row.update(self.compare_distributions(spec, res.logprobs))
         else:
             # Agreement decodes its full length: stopping at EOS would make short answers "agree".
             res = greedy_decode(self.model, cache, s.input_ids, s.max_new_tokens,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 import re
 
+import torch
+
 
 def needle_exact(answer: str, value: str) -> float:
     """100 when the needle's number appears in the answer as a whole digit run, else 0.
@@ -57,3 +59,15 @@ def perplexity(nll_sum: float, count: int) -> float:
     if count <= 0:
         raise ValueError("perplexity needs at least one scored token")
     return math.exp(nll_sum / count)
+
+
+def distribution_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float]:
+    """For next-token log-probabilities ``[T, vocab]`` of the same teacher-forced text: the mean
+    KL(reference || candidate) in nats per token, and the share (0-100) of steps whose most likely
+    token is the same. Unlike free-running agreement, one early difference does not decide every
+    later step."""
+    if reference.shape != candidate.shape:
+        raise ValueError(f"log-probabilities differ in shape: {tuple(reference.shape)} vs {tuple(candidate.shape)}")
+    kl = (reference.exp() * (reference - candidate)).sum(-1).mean()
+    top1 = (reference.argmax(-1) == candidate.argmax(-1)).float().mean()
+    return float(kl), 100.0 * float(top1)
