@@ -33,11 +33,12 @@ def check_equivalence(cache, batch, seed=1):
         torch.testing.assert_close(got.lse, want.lse, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scope,weights", [("layer", "none"), ("head", "none"), ("layer", "query"), ("head", "query")])
-def test_attention_from_packed_store_equals_dequantized_attention(scope, weights):
+@pytest.mark.parametrize("scope,weights,salient", [("layer", "none", 0.0), ("head", "none", 0.0), ("layer", "query", 0.0),
+                                                   ("head", "query", 0.0), ("head", "none", 0.05), ("layer", "none", 0.05)])
+def test_attention_from_packed_store_equals_dequantized_attention(scope, weights, salient):
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100, pca_scope=scope,
-                                key_weights=weights)
+                                key_weights=weights, salient=salient)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[0]
@@ -120,6 +121,8 @@ def test_bytes_count_every_tensor():
     expected += code.codes.numel()  # packed coefficients
     expected += code.rank * (2 + 2) + h * d * 2 + h * d * code.rank  # steps, basis scales, mean, int8 basis
     expected += n * h * (d // 4) + 256 * 4 * 2 + h * d * 2  # VQ indices, codebook, channel scales
+    m = 8  # salient rows per head: ceil(0.015 * 480)
+    expected += h * m * (4 + 2 * d * 2)  # int32 row index, fp16 K and V
     assert layer.nbytes() == expected
     bd = layer.breakdown()
     assert bd["middle_v_codes"] == n * h * d // 4
@@ -134,6 +137,8 @@ def test_bytes_count_every_tensor():
     ({"key_bits": 0}, "key_bits"),
     ({"v_group": 5}, "v_group"),
     ({"sinks": -2}, "sinks"),
+    ({"salient": 0.7}, "salient"),
+    ({"observe": 0}, "observe"),
 ])
 def test_bad_options(opts, match):
     with pytest.raises(ValueError, match=match):
@@ -192,3 +197,46 @@ def test_query_weighted_keys_store_a_per_channel_scale_from_the_queries():
         torch.testing.assert_close(scales, expected, rtol=2e-3, atol=1e-3)
         assert scales.std() > 0.05
     assert weighted.nbytes() > plain.nbytes()                     # the scales are counted
+
+
+def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exact():
+    from kvshrink.methods.shard import pick_salient
+
+    g = torch.Generator().manual_seed(0)
+    b, h, n, d = 2, 2, 200, 16
+    key, value = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
+    observer = torch.randn(b, h, 6, d, generator=g) * 0.1
+    # row 2*i+j of the batch/head grid plants its "needle" at a different place
+    needles = torch.tensor([[40, 150], [90, 10]])
+    for i in range(b):
+        for j in range(h):
+            key[i, j, needles[i, j]] = observer[i, j].mean(0) * 60
+    chosen = pick_salient(observer, key, value, 0.25, fraction=0.035, dtype=torch.float16, pool=3)  # 7 rows
+    assert chosen.index.shape == (b, h, 7) and chosen.index.dtype == torch.int32
+    for i in range(b):
+        for j in range(h):
+            rows = chosen.index[i, j].long()
+            assert int(needles[i, j]) in rows.tolist()
+            # pooled: the needle's neighbours come with it
+            assert {int(needles[i, j]) - 1, int(needles[i, j]) + 1} <= set(rows.tolist())
+            torch.testing.assert_close(chosen.keys[i, j].float(), key[i, j, rows].half().float())
+            torch.testing.assert_close(chosen.values[i, j].float(), value[i, j, rows].half().float())
+
+
+def test_salient_option_keeps_exact_tokens_per_head_and_counts_their_bytes():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
+    plain = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0)
+    kept = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.02)
+    prefill(model, plain, ids), prefill(model, kept, ids)
+    block = kept.layers[0].middle[0]
+    m = 10  # ceil(0.02 * 480)
+    assert block.salient.index.shape == (1, 2, m)
+    # per layer and KV head: m int32 rows + fp16 K and V of size 16; 2 layers, 2 KV heads
+    assert kept.breakdown()["middle_salient"] == 2 * 2 * m * (4 + 2 * 16 * 2)
+    assert kept.nbytes() - plain.nbytes() == kept.breakdown()["middle_salient"]
+    # the exact copies replace their codes in attention: a query aimed at a salient key sees it exactly
+    layer, ctx = kept.layers[0], kept._ctx
+    keys, values, _ = layer.dequantized(ctx)
+    head, row = 1, int(block.salient.index[0, 1, 0])
+    torch.testing.assert_close(keys[0, head, 4 + row], block.salient.keys[0, head, 0].float())
