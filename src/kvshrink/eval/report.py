@@ -91,15 +91,21 @@ def summary_markdown(rows: list[dict]) -> str:
     body = [[_fmt(fmt, rec[key]) for key, _, fmt in SUMMARY_COLUMNS] for rec in records]
     parts = ["## Summary", "", markdown_table(header, body), "",
              "NIAH/RULER: mean score 0-100. ppl / full: perplexity ratio to the full cache on the same "
-             "text. KL nats: mean KL(full || method) of the next-token distributions over the scored tokens; top-1 %: share of those steps with the same most likely token (both teacher-forced on the same text, so one early difference does not decide later steps). agree %: share of greedy tokens identical to the full cache's. compression: fp16 "
+             "text. KL nats: mean KL(full || method) of the next-token distributions over the scored "
+             "tokens; top-1 %: share of those steps with the same most likely token (both teacher-forced "
+             "on the same text, so one early difference does not decide later steps). agree %: share of "
+             "greedy tokens identical to the full cache's. compression: fp16 "
              "bytes / bytes held (mean over NIAH/RULER prompts; a cache kept in the model's dtype holds "
              "fp32 on an fp32 model, so full shows 0.50x). decode, prefill: median over repeats of the "
              "time ratio to full's in the same repeat (each in its own process), at the longest cost "
              "length. peak MB: RSS growth during "
              "prefill+decode at the longest cost length."]
-    parts += ["", niah_table(rows), "", ruler_length_table(rows), "", ruler_table(rows), "", ppl_table(rows), "",
-              kl_table(rows), "", cost_table(rows)]
-    return "\n".join(p for p in parts if p is not None) + "\n"
+    tables = [niah_table(rows), ruler_length_table(rows), ruler_table(rows), ppl_table(rows), kl_table(rows),
+              cost_table(rows)]
+    for table in tables:
+        if table:  # a task the run did not include has no table
+            parts += ["", table]
+    return "\n".join(parts) + "\n"
 
 
 def _by_length(rows: list[dict], task: str, title: str, field: str = "score", fmt: str = "{:.0f}") -> str:

@@ -44,8 +44,8 @@ observation window), max-pooled over ``salient_pool`` neighbours. The quantizati
 matters most is the error on the tokens attention actually reads: on the embedded model, keeping 1.5%
 of the middle exact and spending 0.25 fewer bits per key element lowers the KL divergence of the
 next-token distributions from ``full``'s at 2K, 4K and 8K and finds every needle ``full`` finds on the
-standard grid, where the plain recipe loses two of three at 8K (README). Their codes stay in the block and are masked
-out of its softmax, so the exact copies replace them.
+standard grid, where the plain recipe loses two of three at 8K (README). Their codes stay in the
+block and are masked out of its softmax, so the exact copies replace them.
 
 Per-layer budgets (beyond the source): with ``key_alloc="global"`` the key bit budget is shared by
 all layers: layers whose pre-RoPE keys are more low-rank get fewer bits. The allocation is a DP over
