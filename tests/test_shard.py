@@ -139,6 +139,7 @@ def test_bytes_count_every_tensor():
     ({"sinks": -2}, "sinks"),
     ({"salient": 0.7}, "salient"),
     ({"observe": 0}, "observe"),
+    ({"salient_pool": 4}, "salient_pool"),
 ])
 def test_bad_options(opts, match):
     with pytest.raises(ValueError, match=match):
