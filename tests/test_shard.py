@@ -241,3 +241,44 @@ def test_salient_option_keeps_exact_tokens_per_head_and_counts_their_bytes():
     keys, values, _ = layer.dequantized(ctx)
     head, row = 1, int(block.salient.index[0, 1, 0])
     torch.testing.assert_close(keys[0, head, 4 + row], block.salient.keys[0, head, 0].float())
+
+
+def _peak_live_bytes(fn) -> int:
+    """Peak of the bytes allocated and not yet freed while ``fn`` runs (CPU allocator events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def test_compression_needs_less_extra_memory_than_one_layers_prompt_kv():
+    # SmolLM2's attention shape (3 KV heads of 64), one layer, an 8K prompt: the RoPE tables of the
+    # step are rebuilt inside the measured call (the last layer clears them), so they count too.
+    from kvshrink.methods.shard import ShardLayer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=384, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=6, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+    model = LlamaForCausalLM(cfg).eval()
+    cache = kvshrink.make_cache("shard", model)
+    measured = []
+    original = ShardLayer.compress_block
+
+    def measure(self, key, value, start, ctx):
+        out = []
+        measured.append((_peak_live_bytes(lambda: out.append(original(self, key, value, start, ctx))),
+                         (key.numel() + value.numel()) * 4))
+        return out[0]
+
+    ShardLayer.compress_block = measure
+    try:
+        prefill(model, cache, torch.randint(0, 128, (1, 8000), generator=torch.Generator().manual_seed(0)))
+    finally:
+        ShardLayer.compress_block = original
+    (peak, layer_kv), = measured
+    assert cache.layers[0].middle and 0 < peak <= layer_kv, (peak, layer_kv)

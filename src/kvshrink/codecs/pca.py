@@ -192,11 +192,12 @@ def _quantize_unit(z: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     bounds = (levels[1:] + levels[:-1]) / 2
     if bits > 4:
         return torch.bucketize(z.contiguous(), bounds)
-    # Few boundaries: counting the ones below is faster than a binary search on CPU.
+    # Few boundaries: counting the ones below is faster than a binary search on CPU. uint8 codes (an
+    # eighth of int64: they are packed next); callers that index with them must widen them first.
     codes = torch.zeros(z.shape, dtype=torch.uint8, device=z.device)
     for b in bounds.tolist():
         codes += z > b
-    return codes.long()
+    return codes
 
 
 def quantize_basis(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,8 +389,9 @@ def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels
     mults = torch.tensor(_SCALE_MULTIPLIERS, device=rows.device, dtype=rows.dtype)
     steps = base_step.unsqueeze(0) * mults.unsqueeze(1)  # [M, r]
     table = unit_levels(bits, levels, rows.device)
-    q = table[_quantize_unit(rows.unsqueeze(0) / steps.unsqueeze(1), bits, levels)] * steps.unsqueeze(1)
-    err = (rows.unsqueeze(0) - q).pow(2).sum(1)  # [M, r]
+    # One multiplier at a time: a sample-sized temporary rather than M of them.
+    err = torch.stack([(rows - table[_quantize_unit(rows / step, bits, levels).long()] * step).pow(2).sum(0)
+                       for step in steps])  # [M, r]
     return steps.gather(0, err.argmin(0, keepdim=True)).squeeze(0)
 
 

@@ -42,7 +42,13 @@ def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     if x.shape[-1] % 2:
         raise ValueError(f"RoPE needs an even head size, got {x.shape[-1]}")
     cos, sin = _broadcastable(x, cos), _broadcastable(x, sin)
-    return x * cos - rotate_half(x) * sin
+    # x*cos - rotate_half(x)*sin, half by half in place: one output-sized tensor, no temporaries
+    # (compression runs it on a whole layer's prompt keys)
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half])
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:], value=-1)
+    return out
 
 
 def pair_order(head_dim: int, device=None) -> torch.Tensor:

@@ -31,12 +31,14 @@ def check_codebook_size(k: int) -> int:
     return int(math.log2(k))
 
 
-def assign_codes(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def assign_codes(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 2048,
+                 out_dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Index of the nearest codeword for each row of ``x`` ``[N, g]`` (exhaustive, chunked over rows:
-    small chunks keep the ``chunk x k`` distance block in cache, which measured fastest on CPU)."""
+    small chunks keep the ``chunk x k`` distance block in cache, which measured fastest on CPU).
+    ``out_dtype`` (e.g. int32) narrows the result when it is only going to be packed."""
     c = codebook.float()
     c_sq = c.pow(2).sum(1)
-    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    out = torch.empty(x.shape[0], dtype=out_dtype, device=x.device)
     for s in range(0, x.shape[0], chunk):
         xs = x[s:s + chunk].float()
         # ||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2; ||x||^2 does not change the argmin.

@@ -308,12 +308,21 @@ class SalientTokens:
         return [self.index, self.keys, self.values]
 
 
+# Observation queries scored at once (bounds the score block to rows x tokens, not all queries x tokens).
+_OBSERVE_ROWS = 16
+
+
 def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: float, pool: int = 33) -> torch.Tensor:
     """``[B, H_kv, n]``: the mean attention the grouped observation queries ``[B, H_kv, R, d]`` pay to
     each of ``keys [B, H_kv, n, d]`` (softmax over these keys), max-pooled over ``pool`` neighbouring
     tokens (a fact spans several tokens, and its neighbours are what gets copied next)."""
-    probs = torch.softmax(observer @ keys.transpose(-1, -2) * scaling, dim=-1).mean(dim=2)  # [B, H_kv, n]
-    b, h, n = probs.shape
+    b, h, rows, _ = observer.shape
+    n = keys.shape[2]
+    probs = torch.zeros(b, h, n, dtype=torch.float32, device=keys.device)
+    for r in range(0, rows, _OBSERVE_ROWS):
+        scores = observer[:, :, r:r + _OBSERVE_ROWS] @ keys.transpose(-1, -2)
+        probs += torch.softmax(scores.mul_(scaling), dim=-1).sum(dim=2)
+    probs /= rows
     pooled = torch.nn.functional.max_pool1d(probs.reshape(b * h, 1, n), pool, stride=1, padding=pool // 2)
     return pooled.reshape(b, h, n)
 
@@ -646,39 +655,61 @@ class ShardLayer(CacheLayer):
         return weight.rsqrt().reshape(-1, width).to(torch.float16)             # [scopes, width]
 
     def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext) -> MiddleBlock:
-        b, h, n, d = key.shape
-        cos, sin = self.shared.rope(ctx, start, n)
-        pre = undo_rope(key, cos, sin).transpose(1, 2).reshape(b, n, h * d)  # [B, n, H*d]
-        scopes = h if self.cfg.pca_scope == "head" else 1
-        width = h * d // scopes
-        column_scale = self.key_column_scale(width)
-        parts = [pre[..., s * width:(s + 1) * width] for s in range(scopes)]
-        scales = [None] * scopes if column_scale is None else list(column_scale)
-        parts = [x if c is None else x / c.float() for x, c in zip(parts, scales)]
-        rank = min(self.cfg.rank or width, width)
-        fits = [fit_pca(x.reshape(b * n, width), rank, seed=self.cfg.seed) for x in parts]
-        bits = self.key_bits_per_component([f.variances for f in fits])
-        keys = [encode_pca(x, f, bb, levels=self.cfg.k_levels, column_scale=c)
-                for x, f, bb, c in zip(parts, fits, bits, scales)]
+        # One helper per path, so each path's full-size temporaries are freed before the next starts
+        # (extra peak memory stays below one layer's prompt K+V; measured by a test).
+        keys = self.encode_keys(key, start, ctx)
         v_codes, codebook, scale = self.encode_values(value)
         salient = None
         observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
         if self.cfg.salient > 0 and observer is not None:
             salient = pick_salient(observer, key, value, ctx.scaling, self.cfg.salient,
                                    STORAGE_DTYPES[self.cfg.exact_dtype], self.cfg.salient_pool)
-        return MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook, v_scale=scale,
-                           salient=salient)
+        return MiddleBlock(start=start, n=key.shape[2], keys=keys, v_codes=v_codes, v_codebook=codebook,
+                           v_scale=scale, salient=salient)
+
+    def encode_keys(self, key: torch.Tensor, start: int, ctx: StepContext) -> list[PCACode]:
+        """Post-RoPE keys ``[B, H_kv, n, d]`` -> one `PCACode` of the pre-RoPE keys per PCA scope."""
+        b, h, n, d = key.shape
+        cos, sin = self.shared.rope(ctx, start, n)
+        scopes = h if self.cfg.pca_scope == "head" else 1
+        width = h * d // scopes
+        column_scale = self.key_column_scale(width)
+        scales = [None] * scopes if column_scale is None else list(column_scale)
+
+        def scope_rows(s: int) -> torch.Tensor:
+            """Pre-RoPE keys of scope ``s`` ``[B, n, width]``, divided by its column scale."""
+            x = undo_rope(key[:, s], cos, sin) if scopes == h else \
+                undo_rope(key, cos, sin).transpose(1, 2).reshape(b, n, h * d)
+            return x if scales[s] is None else x.div_(scales[s].float())
+
+        rank = min(self.cfg.rank or width, width)
+        fits = [fit_pca(scope_rows(s).reshape(b * n, width), rank, seed=self.cfg.seed) for s in range(scopes)]
+        bits = self.key_bits_per_component([f.variances for f in fits])
+        # RoPE is undone again rather than kept from the fits: one scope's keys are alive at a time
+        return [encode_pca(scope_rows(s), fits[s], bits[s], levels=self.cfg.k_levels, column_scale=scales[s])
+                for s in range(scopes)]
 
     def encode_values(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rotated = self.shared.rotation.rotate(value)  # [B, H, n, d]
-        scale = rotated.pow(2).mean(dim=(0, 2)).sqrt().clamp_min(1e-6).to(torch.float16)  # [H, d]
-        groups = (rotated / scale.float()[None, :, None, :]).reshape(-1, self.cfg.v_group)
-        codebook = self.shared.v_codebook.to(groups.device)
+        """Values ``[B, H_kv, n, d]`` -> packed VQ indices, the codebook, per-(head, channel) scales.
+
+        One head at a time (the rotation is redone rather than kept), so a layer's rotated values
+        never exist at once; only ``v_fit="kmeans"`` rotates the whole layer to sample from it."""
+        b, h, n, d = value.shape
+        group = self.cfg.v_group
+        rotate = self.shared.rotation.rotate
+        scale = torch.stack([rotate(value[:, s]).pow(2).mean(dim=(0, 1)) for s in range(h)])
+        scale = scale.sqrt().clamp_min(1e-6).to(torch.float16)                       # [H, d]
+        codebook = self.shared.v_codebook.to(value.device)
         if self.cfg.v_fit == "kmeans":
+            groups = rotate(value).div_(scale.float()[None, :, None, :]).reshape(-1, group)
             codebook = fit_codebook(groups, self.cfg.v_codebook, iters=self.cfg.v_iters, sample=self.cfg.v_sample,
                                     seed=self.cfg.seed + self.layer_idx, init=codebook)
+            del groups
         codebook = codebook.to(torch.float16)
-        idx = assign_codes(groups, codebook.float()).reshape(*value.shape[:3], self.d // self.cfg.v_group)
+        idx = torch.empty(b, h, n, d // group, dtype=torch.int32, device=value.device)
+        for s in range(h):
+            rows = rotate(value[:, s]).div_(scale[s].float()).reshape(-1, group)
+            idx[:, s] = assign_codes(rows, codebook.float(), out_dtype=torch.int32).reshape(b, n, d // group)
         return pack_bits(idx, int(math.log2(self.cfg.v_codebook))), codebook, scale
 
     def dequantized(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
