@@ -582,7 +582,7 @@ class ShardLayer(CacheLayer):
             keys = self.middle_keys(block, start, stop, ctx, paired=True, decoder=decoder)
             scores = qg @ keys.transpose(-1, -2) * ctx.scaling
             if hidden is not None:
-                scores = scores.masked_fill(hidden[..., start:stop], float("-inf"))
+                scores.masked_fill_(hidden[..., start:stop], float("-inf"))
             probs, lse = _softmax_part(scores)
             out = self.middle_values(block, probs, start, stop)
             parts.append(Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1])))
