@@ -237,6 +237,28 @@ def test_pca_table_decoding_equals_the_product_for_mixed_widths(levels):
                                + others[1].mean.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pca_tables_of_codes_with_one_byte_layout_are_built_together_and_decode_the_same(weighted):
+    """Heads of one block share their byte layout: their tables are built by one product per run."""
+    from kvshrink.codecs import pca
+
+    g = torch.Generator().manual_seed(2)
+    bits = [4] * 4 + [2] * 10 + [0] * 2
+    codes = []
+    for h in range(3):
+        x = torch.randn(2, 200, 16, generator=g) * torch.linspace(3, 0.1, 16) + h
+        scale = torch.rand(16, generator=g) + 0.5 if weighted else None
+        rows = x if scale is None else x / scale.half().float()
+        codes.append(encode_pca(rows, fit_pca(rows.reshape(-1, 16), 16), bits, levels="lloyd", column_scale=scale))
+    assert pca._same_byte_layout(codes) and not pca._same_byte_layout(codes[:1])
+    order = torch.randperm(16, generator=g)
+    together = TableDecoder(codes, columns=order)(30, 120)
+    for i, c in enumerate(codes):
+        expected = (c.coefficients() @ c.basis().T + c.mean.float()) * (1 if c.column_scale is None else c.column_scale.float())
+        torch.testing.assert_close(together[:, i], expected[:, 30:120, order], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(together[:, i], TableDecoder([c], columns=order)(30, 120)[:, 0], atol=0, rtol=0)
+
+
 def test_pca_spread_scaling_beats_absmax_at_2_bits():
     g = torch.Generator().manual_seed(0)
     x = torch.distributions.StudentT(4.0).sample((4000, 8))  # heavy tails, like PCA coefficients

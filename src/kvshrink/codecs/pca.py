@@ -302,6 +302,54 @@ class TableDecoder:
     def __init__(self, codes: list[PCACode], dtype=torch.float32, columns: torch.Tensor | None = None,
                  table_dtype: torch.dtype | None = None):
         self.codes, self.dtype = codes, dtype
+        if _same_byte_layout(codes):
+            bound = self._build_together(codes, dtype, columns)
+        else:
+            bound = self._build_each(codes, dtype, columns)
+        # Narrower tables halve the memory the gathers stream through; only where no value can overflow.
+        if table_dtype is not None and table_dtype != dtype and bound < torch.finfo(table_dtype).max / 2:
+            self.tables = self.tables.to(table_dtype)
+
+    def _build_together(self, codes: list[PCACode], dtype, columns: torch.Tensor | None) -> float:
+        """Every code packs the same components in the same bytes (the usual case: the heads of one
+        block): one product per run for all codes at once. Tables are run-major, ``[run][code][byte]``,
+        so each run's product writes its rows in place. Returns the largest |value| a row can take."""
+        device = codes[0].codes.device
+        runs, count = codes[0].runs, codes[0].codes.shape[-1]
+        width_d = codes[0].mean.shape[0]
+        def stack(field: str) -> torch.Tensor:
+            return torch.stack([getattr(code, field) for code in codes]).to(dtype)
+
+        # as `PCACode._scaled_basis`, for all codes: basis * its scales * the coefficient steps, transposed
+        scaled = (stack("basis_q") * stack("basis_scale")[:, None] * stack("coeff_step")[:, None]).transpose(1, 2)
+        mean = stack("mean")                                                       # [C, D]
+        if codes[0].column_scale is not None:
+            column_scale = stack("column_scale")
+            scaled, mean = scaled * column_scale[:, None], mean * column_scale
+        if columns is not None:
+            scaled, mean = scaled[..., columns], mean[:, columns]                  # scaled: [C, r, D]
+        top_level = float(unit_levels(max(r[0] for r in runs), codes[0].levels).abs().max())
+        bound = float((mean.abs().amax(-1) + top_level * scaled.abs().sum(1).amax(-1)).max())
+        n_codes = len(codes)
+        self.tables = torch.empty(256 * count * n_codes + 1, width_d, dtype=dtype, device=device)
+        self.tables[-1] = 0
+        self.zero_row = self.tables.shape[0] - 1
+        offsets, row = [], 0
+        for bits, a, b, ba, bb in runs:
+            table = self.tables[row: row + 256 * (bb - ba) * n_codes].view(n_codes, bb - ba, 256, width_d)
+            _byte_lookup_table(bits, codes[0].levels, scaled[:, a:b], out=table)
+            offsets.append(row + 256 * torch.arange(n_codes * (bb - ba), device=device).view(n_codes, bb - ba))
+            row += 256 * (bb - ba) * n_codes
+        # each row takes exactly one entry of its first byte: the mean goes there
+        self.tables[: 256 * (runs[0][4] - runs[0][3]) * n_codes].view(n_codes, -1, 256, width_d)[:, 0] += mean[:, None]
+        self.offsets = list(torch.cat(offsets, dim=1).int())
+        self.byte_cols = [None] * n_codes
+        self.products = [(None, [])] * n_codes
+        self.width = count
+        return bound
+
+    def _build_each(self, codes: list[PCACode], dtype, columns: torch.Tensor | None) -> float:
+        """Tables code by code (codes with different byte layouts); returns the largest |value|."""
         device = codes[0].codes.device
         aligned = [[run for run in code.runs if 8 % run[0] == 0] for code in codes]
         n_bytes = [sum(bb - ba for _, _, _, ba, bb in runs) for runs in aligned]
@@ -334,9 +382,7 @@ class TableDecoder:
             extra = [(run, scaled[run[1]:run[2]]) for run in code.runs if 8 % run[0]]
             self.products.append((None if runs else mean, extra))
         self.width = max(n_bytes)
-        # Narrower tables halve the memory the gathers stream through; only where no value can overflow.
-        if table_dtype is not None and table_dtype != dtype and bound < torch.finfo(table_dtype).max / 2:
-            self.tables = self.tables.to(table_dtype)
+        return bound
 
     def __call__(self, start: int, stop: int) -> torch.Tensor:
         if self.width == 0:   # no code has a byte-aligned run: means and products only
@@ -368,16 +414,27 @@ class TableDecoder:
         return out
 
 
+def _same_byte_layout(codes: list[PCACode]) -> bool:
+    """Several codes with the same runs, all byte-aligned and covering every byte, and the same levels
+    and column scaling (the heads of one block usually are): their tables can be built together."""
+    first = codes[0]
+    runs = first.runs
+    return (len(codes) > 1 and bool(runs) and all(8 % r[0] == 0 for r in runs)
+            and sum(r[4] - r[3] for r in runs) == first.codes.shape[-1]
+            and all(c.runs == runs and c.levels == first.levels and c.codes.shape == first.codes.shape
+                    and (c.column_scale is None) == (first.column_scale is None) for c in codes))
+
+
 def _byte_lookup_table(bits: int, levels: str, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[bytes, 256, D]``: for each byte position of a run's packed codes and each byte value, the
-    sum of its codes' levels times their rows of ``rows`` (``[components, D]``, scaled basis)."""
+    """``[..., bytes, 256, D]``: for each byte position of a run's packed codes and each byte value, the
+    sum of its codes' levels times their rows of ``rows`` (``[..., components, D]``, scaled basis)."""
     per = 8 // bits
-    n_bytes = -(-rows.shape[0] // per)
-    pad = n_bytes * per - rows.shape[0]
+    n_bytes = -(-rows.shape[-2] // per)
+    pad = n_bytes * per - rows.shape[-2]
     if pad:  # codes past the last component are zero bits in the byte; give them zero rows
-        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        rows = torch.cat([rows, rows.new_zeros(*rows.shape[:-2], pad, rows.shape[-1])], dim=-2)
     levels_of_byte = _byte_level_table(bits, levels, str(rows.device)).to(rows.dtype)   # [256, per]
-    return torch.matmul(levels_of_byte, rows.reshape(n_bytes, per, -1), out=out)
+    return torch.matmul(levels_of_byte, rows.reshape(*rows.shape[:-2], n_bytes, per, rows.shape[-1]), out=out)
 
 
 def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels: str,
