@@ -195,3 +195,13 @@ def test_model_keeps_working_with_ordinary_caches_after_make_cache():
     kvshrink.make_cache("full", model)
     after, _ = greedy(model, a[None], torch.ones(1, 16, dtype=torch.long), DynamicCache())
     assert torch.equal(ref, after)
+
+
+def test_demo_command_keeps_multi_option_specs_whole(monkeypatch):
+    import kvshrink.demo
+    from kvshrink.cli import main
+
+    seen = {}
+    monkeypatch.setattr(kvshrink.demo, "run_demo", lambda length, methods: seen.update(methods=methods) or 0)
+    assert main(["demo", "--methods", "full,lrqk:top_k=512,slot_dtype=float16,shard"]) == 0
+    assert seen["methods"] == ["full", "lrqk:top_k=512,slot_dtype=float16", "shard"]

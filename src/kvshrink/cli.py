@@ -74,9 +74,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvshrink.cache.registry import split_specs
     from kvshrink.demo import run_demo
 
-    return run_demo(length=args.length, methods=args.methods.split(","))
+    # split_specs: "lrqk:top_k=512,slot_dtype=float16" is one spec, not two
+    return run_demo(length=args.length, methods=split_specs(args.methods))
 
 
 def build_parser() -> argparse.ArgumentParser:

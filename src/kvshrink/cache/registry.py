@@ -154,3 +154,21 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     resolved = resolve_options(info_m, options)
     info = describe_model(model)
     return info_m.build(model, info, **resolved)
+
+
+def split_specs(text: str) -> list[str]:
+    """Split "full,shard:a=1,b=2,streaming" into specs: a part with '=' but no ':' is an option of
+    the spec before it."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part.split("=", 1)[0]:
+            if not specs:
+                raise ValueError(f"option {part!r} comes before any method in {text!r}")
+            specs[-1] += ("," if ":" in specs[-1] else ":") + part
+        else:
+            specs.append(part)
+    if not specs:
+        raise ValueError("no method given; use e.g. --methods full,streaming")
+    return specs

@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+from kvshrink.cache.registry import split_specs
+
 from .suites import SUITES
 from .tasks import TASKS
 
@@ -30,24 +32,6 @@ def _float_list(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def split_specs(text: str) -> list[str]:
-    """Split "full,shard:a=1,b=2,streaming" into specs: a part with '=' but no ':' is an option of
-    the spec before it."""
-    specs: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if "=" in part and ":" not in part.split("=", 1)[0]:
-            if not specs:
-                raise ValueError(f"option {part!r} comes before any method in {text!r}")
-            specs[-1] += ("," if ":" in specs[-1] else ":") + part
-        else:
-            specs.append(part)
-    if not specs:
-        raise ValueError("no method given; use e.g. --methods full,streaming")
-    return specs
 
 
 def register(subparsers) -> None:
