@@ -42,9 +42,9 @@ Salient tokens (beyond the source, ``salient``): a small share of each block's m
 head is also kept exact: those the prompt's last ``observe`` queries attend to most (SnapKV's
 observation window), max-pooled over ``salient_pool`` neighbours. The quantization error that
 matters most is the error on the tokens attention actually reads: on the embedded model, keeping 1.5%
-of the middle exact and spending 0.25 fewer bits per key element lowers the KL divergence of the
-next-token distributions from ``full``'s at 2K, 4K and 8K and finds every needle ``full`` finds on the
-standard grid, where the plain recipe loses two of three at 8K (README). Their codes stay in the
+of the middle exact lowers the KL divergence of the next-token distributions from ``full``'s at 2K,
+4K and 8K and finds every needle ``full`` finds on the standard grid, where the plain recipe loses two
+of three at 8K (README). Their codes stay in the
 block and are masked out of its softmax, so the exact copies replace them.
 
 Per-layer budgets (beyond the source): with ``key_alloc="global"`` the key bit budget is shared by
@@ -91,7 +91,7 @@ _SCORE_ELEMENTS = 1 << 22
 class ShardConfig:
     sinks: int = 4
     window: int = 64
-    key_bits: float = 2.25
+    key_bits: float = 2.5
     v_group: int = 4
     v_codebook: int = 256
     v_fit: str = "gaussian"
@@ -172,7 +172,7 @@ class ShardConfig:
 OPTIONS = {
     "sinks": Option(4, "first tokens kept exact (attention sinks)"),
     "window": Option(64, "most recent tokens kept exact (>= 0)"),
-    "key_bits": Option(2.25, "bits per key element for the compressed middle (PCA coefficients), in (0, 8]"),
+    "key_bits": Option(2.5, "bits per key element for the compressed middle (PCA coefficients), in (0, 8]"),
     "v_group": Option(4, "channels per value VQ group (must divide the head size)"),
     "v_codebook": Option(256, "value VQ codebook entries (power of two, 2..256)"),
     "v_fit": Option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
