@@ -272,13 +272,33 @@ class PCACode:
 
     def _scaled_basis(self, dtype, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(basis rows times their steps [r_kept, D], mean [D])`` as decoding uses them."""
-        scaled = (self.basis(dtype) * self.coeff_step.to(dtype)).T
-        mean = self.mean.to(dtype)
-        if self.column_scale is not None:
-            scaled, mean = scaled * self.column_scale.to(dtype), mean * self.column_scale.to(dtype)
-        if columns is not None:
-            scaled, mean = scaled[:, columns], mean[columns]
-        return scaled, mean
+        scaled, mean = _scaled_bases([self], dtype, columns)
+        return scaled[0], mean[0]
+
+
+def _scaled_bases(codes: list[PCACode], dtype, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For codes of one rank: ``(basis rows times their steps [C, r_kept, D], means [C, D])``, column
+    scale multiplied back and columns in ``columns`` order, as the decoding tables use them."""
+    def stack(field: str) -> torch.Tensor:
+        return torch.stack([getattr(code, field) for code in codes]).to(dtype)
+
+    scaled = (stack("basis_q") * stack("basis_scale")[:, None] * stack("coeff_step")[:, None]).transpose(1, 2)
+    mean = stack("mean")
+    if codes[0].column_scale is not None:
+        column_scale = stack("column_scale")
+        scaled, mean = scaled * column_scale[:, None], mean * column_scale
+    if columns is not None:
+        scaled, mean = scaled[..., columns], mean[:, columns]
+    return scaled, mean
+
+
+def _row_bound(scaled: torch.Tensor, mean: torch.Tensor, runs: list, levels: str) -> float:
+    """Largest |value| any table entry or decoded row of these codes can take (``scaled [..., r, D]``,
+    ``mean [..., D]``; levels are at most 2**7 in size)."""
+    if scaled.shape[-2] == 0:
+        return 0.0
+    top_level = float(unit_levels(max((r[0] for r in runs), default=2), levels).abs().max())
+    return float((mean.abs().amax(-1) + top_level * scaled.abs().sum(-2).amax(-1)).max())
 
 
 class TableDecoder:
@@ -316,24 +336,9 @@ class TableDecoder:
         so each run's product writes its rows in place. Returns the largest |value| a row can take."""
         device = codes[0].codes.device
         runs, count = codes[0].runs, codes[0].codes.shape[-1]
-        width_d = codes[0].mean.shape[0]
-        def stack(field: str) -> torch.Tensor:
-            return torch.stack([getattr(code, field) for code in codes]).to(dtype)
-
-        # as `PCACode._scaled_basis`, for all codes: basis * its scales * the coefficient steps, transposed
-        scaled = (stack("basis_q") * stack("basis_scale")[:, None] * stack("coeff_step")[:, None]).transpose(1, 2)
-        mean = stack("mean")                                                       # [C, D]
-        if codes[0].column_scale is not None:
-            column_scale = stack("column_scale")
-            scaled, mean = scaled * column_scale[:, None], mean * column_scale
-        if columns is not None:
-            scaled, mean = scaled[..., columns], mean[:, columns]                  # scaled: [C, r, D]
-        top_level = float(unit_levels(max(r[0] for r in runs), codes[0].levels).abs().max())
-        bound = float((mean.abs().amax(-1) + top_level * scaled.abs().sum(1).amax(-1)).max())
-        n_codes = len(codes)
-        self.tables = torch.empty(256 * count * n_codes + 1, width_d, dtype=dtype, device=device)
-        self.tables[-1] = 0
-        self.zero_row = self.tables.shape[0] - 1
+        scaled, mean = _scaled_bases(codes, dtype, columns)                       # [C, r, D], [C, D]
+        width_d, n_codes = mean.shape[-1], len(codes)
+        self._new_tables(256 * count * n_codes, width_d, dtype, device)
         offsets, row = [], 0
         for bits, a, b, ba, bb in runs:
             table = self.tables[row: row + 256 * (bb - ba) * n_codes].view(n_codes, bb - ba, 256, width_d)
@@ -346,7 +351,14 @@ class TableDecoder:
         self.byte_cols = [None] * n_codes
         self.products = [(None, [])] * n_codes
         self.width = count
-        return bound
+        return _row_bound(scaled, mean, runs, codes[0].levels)
+
+    def _new_tables(self, rows: int, width: int, dtype, device) -> None:
+        """One buffer every table is written into in place (the tables of a block are megabytes: no
+        copies), plus a zero row at the end for the spare byte slots of codes with fewer bytes."""
+        self.tables = torch.empty(rows + 1, width, dtype=dtype, device=device)
+        self.tables[-1] = 0
+        self.zero_row = rows
 
     def _build_each(self, codes: list[PCACode], dtype, columns: torch.Tensor | None) -> float:
         """Tables code by code (codes with different byte layouts); returns the largest |value|."""
@@ -354,18 +366,12 @@ class TableDecoder:
         aligned = [[run for run in code.runs if 8 % run[0] == 0] for code in codes]
         n_bytes = [sum(bb - ba for _, _, _, ba, bb in runs) for runs in aligned]
         width_d = codes[0].mean.shape[0]
-        # Every table written in place into one buffer (the tables of a block are megabytes: no copies),
-        # plus a zero row at the end for the spare byte slots of codes with fewer bytes.
-        self.tables = torch.empty(256 * sum(n_bytes) + 1, width_d, dtype=dtype, device=device)
-        self.tables[-1] = 0
-        self.zero_row = self.tables.shape[0] - 1
+        self._new_tables(256 * sum(n_bytes), width_d, dtype, device)
         self.offsets, self.byte_cols, self.products = [], [], []
         base, bound = 0, 0.0
         for code, runs, count in zip(codes, aligned, n_bytes):
             scaled, mean = code._scaled_basis(dtype, columns)
-            # Largest |value| any table entry or decoded row can take (levels are at most 2**7 in size).
-            top_level = float(unit_levels(max((r[0] for r in code.runs), default=2), code.levels).abs().max())
-            bound = max(bound, float(mean.abs().max() + top_level * scaled.abs().sum(0).max()) if scaled.numel() else 0.0)
+            bound = max(bound, _row_bound(scaled, mean, code.runs, code.levels))
             row = base
             for bits, a, b, ba, bb in runs:
                 table = self.tables[row: row + 256 * (bb - ba)].view(bb - ba, 256, width_d)

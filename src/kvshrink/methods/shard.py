@@ -44,8 +44,8 @@ observation window), max-pooled over ``salient_pool`` neighbours. The quantizati
 matters most is the error on the tokens attention actually reads: on the embedded model, keeping 1.5%
 of the middle exact lowers the KL divergence of the next-token distributions from ``full``'s at 2K,
 4K and 8K and finds every needle ``full`` finds on the standard grid, where the plain recipe loses two
-of three at 8K (README). Their codes stay in the
-block and are masked out of its softmax, so the exact copies replace them.
+of three at 8K (README). Their codes stay in the block and are masked out of its softmax, so the
+exact copies replace them.
 
 Per-layer budgets (beyond the source): with ``key_alloc="global"`` the key bit budget is shared by
 all layers: layers whose pre-RoPE keys are more low-rank get fewer bits. The allocation is a DP over
@@ -312,7 +312,7 @@ class SalientTokens:
 _OBSERVE_ROWS = 16
 
 
-def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: float, pool: int = 33) -> torch.Tensor:
+def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: float, pool: int) -> torch.Tensor:
     """``[B, H_kv, n]``: the mean attention the grouped observation queries ``[B, H_kv, R, d]`` pay to
     each of ``keys [B, H_kv, n, d]`` (softmax over these keys), max-pooled over ``pool`` neighbouring
     tokens (a fact spans several tokens, and its neighbours are what gets copied next)."""
@@ -328,7 +328,7 @@ def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: flo
 
 
 def pick_salient(observer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, fraction: float,
-                 dtype: torch.dtype, pool: int = 33) -> SalientTokens | None:
+                 dtype: torch.dtype, pool: int) -> SalientTokens | None:
     """The ``ceil(fraction * n)`` rows per KV head of ``key/value [B, H_kv, n, d]`` most attended by the
     observation queries, sorted by row."""
     count = min(key.shape[2], math.ceil(fraction * key.shape[2] - 1e-9))  # 1e-9: 0.035 * 200 is not 7
