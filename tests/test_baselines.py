@@ -380,8 +380,21 @@ def test_hf_quantized_refuses_clearly_without_its_backend(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hqq" else real(name, *a))
-    with pytest.raises(NotImplementedError, match="pip install --no-deps hqq"):
+    with pytest.raises(ImportError, match=r"backend 'hqq' needs the 'hqq' package.*kvshrink\[baselines\]"):
         kvshrink.make_cache("hf-quantized", wide_model(), backend="hqq")
+
+
+def test_plots_name_the_eval_extra_when_matplotlib_is_missing(monkeypatch):
+    import importlib.util
+
+    from kvshrink.eval.report import plot_niah
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    rows = [{"task": "niah", "spec": "full", "length": 2048, "depth": 50, "score": 1.0}]
+    with pytest.raises(ImportError, match=r"kvshrink\[eval\]"):
+        plot_niah(rows, "/nonexistent")
 
 
 # ---------------------------------------------------------------- refusals

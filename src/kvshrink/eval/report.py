@@ -6,6 +6,8 @@ import os
 import statistics
 from collections import defaultdict
 
+from kvshrink.extras import require
+
 from .results import read_rows, write_csv
 
 SUMMARY = "summary.md"
@@ -171,6 +173,7 @@ def cost_table(rows: list[dict]) -> str:
 
 
 def _pyplot():
+    require("matplotlib", "matplotlib", "eval", "drawing the evaluation's plots")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -7,13 +7,12 @@ dequantizes the whole history on every step and re-quantizes it whenever its exa
 ``nbytes()`` counts every tensor the layers really hold (packed codes, scales, zero points, the exact
 residual), walking quanto's tensor subclasses down to their plain storages.
 
-Backends: ``quanto`` needs ``optimum-quanto`` (>= 0.2.5), ``hqq`` needs ``hqq``; both install with
-kvshrink. GQA and left-padded batches are handled by the model's own attention and mask.
+Backends: ``quanto`` needs ``optimum-quanto`` (>= 0.2.5), ``hqq`` needs ``hqq``; both come with
+``pip install 'kvshrink[baselines]'``. GQA and left-padded batches are handled by the model's own attention and mask.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from transformers.cache_utils import QuantizedCache
 from kvshrink.cache.base import CacheAccounting, ModelInfo
 from kvshrink.cache.registry import Option, register_method
 from kvshrink.cache.store import held_bytes
+from kvshrink.extras import require
 
 BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
 
@@ -45,15 +45,7 @@ def plain_tensors(obj: Any) -> list[torch.Tensor]:
 
 def require_backend(backend: str) -> None:
     module, package = BACKEND_PACKAGES[backend]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        raise NotImplementedError(
-            f"hf-quantized with backend '{backend}' needs the '{package}' package, which is not installed; "
-            f"install it with: pip install --no-deps {package} (see the kvshrink README)"
-        )
+    require(module, package, "baselines", f"hf-quantized with backend '{backend}'")
 
 
 class MeasuredQuantizedCache(CacheAccounting, QuantizedCache):
