@@ -21,7 +21,11 @@ def _parse_options(items: list[str]) -> dict[str, str]:
 
 def _cmd_methods(args: argparse.Namespace) -> int:
     from kvshrink import methods
+    from kvshrink.cache.registry import options_markdown
 
+    if args.markdown:
+        print(options_markdown(), end="")
+        return 0
     for name, info in methods().items():
         print(f"{name:14s} {info.description}")
         for opt, spec in info.options.items():
@@ -86,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("methods", help="list methods and their options")
+    p.add_argument("--markdown", action="store_true", help="as Markdown tables (docs/options.md)")
     p.set_defaults(func=_cmd_methods)
 
     p = sub.add_parser("generate", help="answer a prompt through a compressed cache")
