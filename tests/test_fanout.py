@@ -1,4 +1,4 @@
-"""A shared prefill (cache/fanout.py) leaves every cache exactly as a prefill of its own would."""
+"""A shared prefill (eval/fanout.py) leaves every cache exactly as a prefill of its own would."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvshrink
-from kvshrink.cache.fanout import prefill_together
+from kvshrink.eval.fanout import prefill_together
 from conftest import tiny_model
 
 

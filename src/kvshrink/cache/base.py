@@ -93,7 +93,7 @@ class CacheLayer(CacheLayerMixin):
 
     is_compileable = False
     method_name = "?"
-    # False when commit() needs nothing from the step's attention: a shared prefill (cache/fanout.py)
+    # False when commit() needs nothing from the step's attention: a shared prefill (eval/fanout.py)
     # then skips this layer's own attention computation.
     commit_needs_attention = True
 

@@ -12,17 +12,29 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from typing import Any, Callable
+
 from kvshrink.cache.base import LayerHandle
-from kvshrink.cache.fanout import FanoutHandle, fanout_attention
 
 ATTENTION_NAME = "kvshrink"
 
+# Handle type -> attention function ``(module, query, handle, attention_mask, scaling, **kwargs) -> out``.
+# A cache whose ``update`` returns its own handle type registers here how that handle is attended
+# (e.g. the evaluation's shared prefill, kvshrink.eval.fanout); the framework knows only LayerHandle.
+HANDLE_ATTENTION: dict[type, Callable[..., torch.Tensor]] = {}
 
-def kvshrink_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
+
+def register_handle_attention(handle_type: type, attention: Callable[..., torch.Tensor]) -> None:
+    """Route keys of ``handle_type`` (returned by some cache's ``update``) to ``attention``."""
+    HANDLE_ATTENTION[handle_type] = attention
+
+
+def kvshrink_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, value: Any, attention_mask,
                        dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """The attention function transformers calls: ``(out [B, q, H_q, d], None)``."""
-    if isinstance(key, FanoutHandle):
-        return fanout_attention(module, query, key, attention_mask, scaling=scaling, **kwargs), None
+    extension = HANDLE_ATTENTION.get(type(key))
+    if extension is not None:
+        return extension(module, query, key, attention_mask, scaling=scaling, **kwargs), None
     if not isinstance(key, LayerHandle):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)

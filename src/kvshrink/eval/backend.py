@@ -40,7 +40,7 @@ class KVShrinkBackend:
 
         import torch
 
-        from kvshrink.cache.fanout import prefill_together
+        from kvshrink.eval.fanout import prefill_together
 
         device = next(model.parameters()).device
         start = time.perf_counter()

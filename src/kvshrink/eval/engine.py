@@ -69,7 +69,7 @@ def greedy_decode(model, cache, input_ids: list[int], max_new_tokens: int,
                   stop_ids: set[int] = frozenset(), prefilled: tuple[torch.Tensor, float] | None = None
                   ) -> DecodeResult:
     """Greedy tokens after ``input_ids``. ``prefilled``: ``(logits, seconds)`` of a prefill already run
-    into ``cache`` (a shared prefill, see kvshrink.cache.fanout)."""
+    into ``cache`` (a shared prefill, see kvshrink.eval.fanout)."""
     device = model_device(model)
     logits, prefill_s = prefilled or prefill(model, cache, input_ids)
     tokens: list[int] = []

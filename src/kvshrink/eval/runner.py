@@ -173,7 +173,7 @@ class Runner:
         share = getattr(self.backend, "prefill_together", None)  # None: this backend cannot share
         if share is None or len(specs) < 2:
             return {}
-        from kvshrink.cache.fanout import FanoutMismatch
+        from kvshrink.eval.fanout import FanoutMismatch
 
         caches = [self.backend.make_cache(spec, self.model) for spec in specs]
         try:

@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvshrink.cache.base import LayerHandle
+from kvshrink.cache.integration import install, register_handle_attention
 
 
 class FanoutMismatch(RuntimeError):
@@ -81,6 +82,9 @@ def fanout_attention(module: torch.nn.Module, query: torch.Tensor, handle: Fanou
     return exact
 
 
+register_handle_attention(FanoutHandle, fanout_attention)
+
+
 @torch.no_grad()  # not inference_mode: caches update their tensors in place later
 def prefill_together(model: torch.nn.Module, caches: list, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor | None = None, tolerance: float = 1e-3) -> torch.Tensor:
@@ -90,8 +94,6 @@ def prefill_together(model: torch.nn.Module, caches: list, input_ids: torch.Tens
     can continue from each one separately. Raises FanoutMismatch if a cache's own prefill attention
     is not the exact one.
     """
-    from kvshrink.cache.integration import install
-
     install(model)
     fan = FanoutCache(caches, tolerance)
     out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=fan, use_cache=True,
