@@ -19,6 +19,13 @@ def _parse_options(items: list[str]) -> dict[str, str]:
     return options
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` of the model, shared by generate, demo and eval."""
+    parser.add_argument("--device", default=None, help="device of the model, e.g. cuda or cuda:1 (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the model's weights and activations (default float32)")
+
+
 def _cmd_methods(args: argparse.Namespace) -> int:
     from kvshrink import methods
     from kvshrink.cache.registry import options_markdown
@@ -70,7 +77,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = Path(args.prompt_file).read_text()
     else:
         prompt = args.prompt
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     answer, cache, seconds = generate_text(model, tokenizer, prompt, args.method, options, args.max_new_tokens)
     print(answer.strip())
     print(f"[{cache.summary()}, {seconds:.1f} s]", file=sys.stderr if args.quiet_summary else sys.stdout)
@@ -82,7 +89,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from kvshrink.demo import run_demo
 
     # split_specs: "lrqk:top_k=512,slot_dtype=float16" is one spec, not two
-    return run_demo(length=args.length, methods=split_specs(args.methods))
+    return run_demo(length=args.length, methods=split_specs(args.methods), device=args.device, dtype=args.dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,11 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
     p.add_argument("--quiet-summary", action="store_true", help="print the cache summary on stderr")
+    add_device_arguments(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("demo", help="needle-in-a-haystack demo on the embedded model")
     p.add_argument("--length", type=int, default=3000, help="prompt length in tokens")
     p.add_argument("--methods", default="full,shard", help="comma separated method specs")
+    add_device_arguments(p)
     p.set_defaults(func=_cmd_demo)
 
     try:

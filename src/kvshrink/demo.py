@@ -23,16 +23,17 @@ def _available(specs: list[str]) -> list[str]:
     return chosen
 
 
-def run_demo(length: int = 3000, methods: list[str] | None = None, depth: float = 50.0, seed: int = 0) -> int:
+def run_demo(length: int = 3000, methods: list[str] | None = None, depth: float = 50.0, seed: int = 0,
+             device: str | None = None, dtype: str = "float32") -> int:
     from kvshrink import load_model, make_cache, parse_method_spec
     from kvshrink.eval.tasks import Builder
 
     specs = _available(methods or ["full", "shard"])
     print(f"kvshrink demo: a {length}-token needle-in-a-haystack prompt (Paul Graham essays), "
           f"needle at {depth:.0f}% depth, answered greedily with: {', '.join(specs)}")
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(dtype=dtype, device=device)
     sample = Builder(tokenizer, seed=seed).niah(length, depth)
-    ids = torch.tensor([sample.input_ids])
+    ids = torch.tensor([sample.input_ids], device=model.device)
     print(f"prompt: {ids.shape[1]} tokens; the needle's value is {sample.expected[0]}\n")
     rows = []
     for spec in specs:

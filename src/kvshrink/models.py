@@ -33,14 +33,42 @@ def embedded_model_path() -> Path:
     return path
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A model dtype given by name (``float32``, ``bfloat16``, ``float16``) or as a torch dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in MODEL_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in MODEL_DTYPES:
+        return MODEL_DTYPES[dtype]
+    raise ValueError(f"model dtype must be one of {list(MODEL_DTYPES)}, got {dtype!r}")
+
+
+def usable_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device; ValueError if it is not a device name or not present here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; e.g. cpu, cuda, cuda:1") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch build has no usable CUDA GPU ({torch.__version__})")
+    return dev
+
+
+def load_model(name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = torch.float32,
                device: str | torch.device | None = None):
     """``(model, tokenizer)``: the embedded SmolLM2-135M-Instruct by default, loaded offline.
 
     ``name_or_path`` may also be a local transformers folder, a ``.gguf`` file, or a hub id (which
-    needs a network unless it is in the local hub cache).
+    needs a network unless it is in the local hub cache). ``dtype``: ``float32`` (default),
+    ``bfloat16`` or ``float16``; ``device``: e.g. ``"cuda"`` (default: CPU).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = model_dtype(dtype)
+    if device is not None:
+        device = usable_device(device)  # fails before the model loads
 
     kwargs: dict = {}
     if name_or_path is None:

@@ -8,13 +8,13 @@ from typing import Any
 class KVShrinkBackend:
     """Methods come from kvshrink's registry, so any registered method spec works."""
 
-    def __init__(self, model_ref: str | None = None):
-        self.model_ref = model_ref
+    def __init__(self, model_ref: str | None = None, device: str | None = None, dtype: str | None = None):
+        self.model_ref, self.device, self.dtype = model_ref, device, dtype
 
     def load_model(self):
         import kvshrink
 
-        return kvshrink.load_model(self.model_ref) if self.model_ref else kvshrink.load_model()
+        return kvshrink.load_model(self.model_ref or None, dtype=self.dtype or "float32", device=self.device)
 
     def parse(self, spec: str) -> tuple[str, dict[str, Any]]:
         import kvshrink

@@ -6,6 +6,7 @@ import sys
 import time
 
 from kvshrink.cache.registry import split_specs
+from kvshrink.cli import add_device_arguments
 
 from .suites import SUITES
 from .tasks import TASKS
@@ -53,6 +54,7 @@ def register(subparsers) -> None:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--threads", type=int, help="torch CPU threads")
     ev.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
+    add_device_arguments(ev)
     ev.add_argument("--out", required=True, help="results folder (created; reruns resume it)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev.set_defaults(func=run_eval)
@@ -75,7 +77,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     options = RunOptions(seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
-                         threads=args.threads, model_ref=args.model, progress=not args.no_progress)
+                         threads=args.threads, model_ref=args.model, device=args.device, dtype=args.dtype,
+                         progress=not args.no_progress)
     runner = Runner(args.out, split_specs(args.methods), suite, options)
     write_config(args.out, {"argv": ["kvshrink"] + sys.argv[1:], "specs": runner.specs,
                             "suite": _suite_dict(suite), "options": vars(options)})

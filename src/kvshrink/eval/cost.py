@@ -27,7 +27,7 @@ def measure(job: dict) -> None:
 
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
-    backend = KVShrinkBackend(job.get("model"))
+    backend = KVShrinkBackend(job.get("model"), job.get("device"), job.get("dtype"))
     model, tokenizer = backend.load_model()
     from .tasks import TokenCorpus
 
@@ -44,6 +44,8 @@ def measure(job: dict) -> None:
         peak = memory.peak_rss_mb()
         row = {
             "length": length,
+            "device": str(device),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "actual_tokens": len(prompt),
             **cache_figures(cache),
             "prefill_s": result.prefill_s,

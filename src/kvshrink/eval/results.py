@@ -20,7 +20,7 @@ CSV_FIELDS = (
     "score", "ppl", "ppl_ratio", "kl", "top1", "agreement", "first_divergence", "answer", "expected",
     "nbytes", "fp16_nbytes", "ratio", "breakdown", "stats", "prefill_s", "prefill_shared", "decode_ms_per_token",
     "prefill_ratio", "decode_ratio", "peak_rss_mb", "peak_rss_delta_mb", "peak_device_mb",
-    "started", "finished",
+    "device", "dtype", "started", "finished",
 )
 
 

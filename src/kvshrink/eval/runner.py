@@ -27,6 +27,8 @@ class RunOptions:
     limit: int | None = None           # at most this many samples per task
     threads: int | None = None
     model_ref: str | None = None
+    device: str | None = None          # e.g. "cuda" (default: CPU)
+    dtype: str | None = None           # model dtype: float32 (default), bfloat16, float16
     progress: bool = True
 
 
@@ -102,7 +104,7 @@ class Runner:
         self._reference_logprobs = None  # full's next-token log-probabilities on the current ppl sample
         self.suite = suite
         self.opt = options
-        self.backend = backend or KVShrinkBackend(options.model_ref)
+        self.backend = backend or KVShrinkBackend(options.model_ref, options.device, options.dtype)
         self.model, self.tok = model, tokenizer
         self.methods = {spec: self.backend.parse(spec) for spec in self.specs}  # unknown method -> error
         self.writer = RowWriter(out_dir)
@@ -246,7 +248,8 @@ class Runner:
         for repeat, spec, lengths in bar:
             bar.set_postfix_str(f"{spec} repeat {repeat}", refresh=False)
             job = {"spec": spec, "lengths": lengths, "new_tokens": plan.new_tokens, "seed": self.opt.seed,
-                   "threads": self.opt.threads, "model": self.opt.model_ref}
+                   "threads": self.opt.threads, "model": self.opt.model_ref, "device": self.opt.device,
+                   "dtype": self.opt.dtype}
             started = now()
             for measured in cost_task.run_job(job):
                 row = self.base_row(spec, "cost", "prefill+decode", measured["length"], None, repeat, digest)
