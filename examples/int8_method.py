@@ -15,11 +15,13 @@ tests/test_example_method.py runs it against ``full`` on a tiny model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.attention import Partial, exact_partial
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import STORAGE_DTYPES, held_bytes
 
 
@@ -34,15 +36,18 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale.float()
 
 
-@register_method("int8-example", "worked example: int8 keys and values, one scale per vector", options={
-    "scale_dtype": Option("float16", "dtype of the per-vector scales", choices=tuple(STORAGE_DTYPES)),
-})
+@dataclass
+class Int8Options:  # each field is an option: make_cache(..., scale_dtype="float32"), `kvshrink methods`
+    scale_dtype: str = option("float16", "dtype of the per-vector scales", choices=tuple(STORAGE_DTYPES))
+
+
+@register_method("int8-example", "worked example: int8 keys and values, one scale per vector", options=Int8Options)
 class Int8Layer(CacheLayer):
     commit_needs_attention = False  # commit() only stores: a shared prefill may skip this layer's attention
 
-    def __init__(self, spec: LayerSpec, scale_dtype: str = "float16"):
+    def __init__(self, spec: LayerSpec, options: Int8Options):
         super().__init__(spec)
-        self.scale_dtype = STORAGE_DTYPES[scale_dtype]
+        self.scale_dtype = STORAGE_DTYPES[options.scale_dtype]
         self.clear()
 
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:

@@ -12,10 +12,10 @@ import torch
 import kvshrink
 from conftest import assert_batch_rows_equal_alone, greedy, prompts, tiny_model
 from kvshrink.cache.base import LayerSpec, ModelInfo, StepContext
-from kvshrink.methods.h2o import H2OLayer
-from kvshrink.methods.kivi import KiviLayer
-from kvshrink.methods.scissorhands import ScissorhandsLayer
-from kvshrink.methods.turboquant import TurboQuantLayer
+from kvshrink.methods.h2o import H2OLayer, H2OOptions
+from kvshrink.methods.kivi import KiviLayer, KiviOptions
+from kvshrink.methods.scissorhands import ScissorhandsLayer, ScissorhandsOptions
+from kvshrink.methods.turboquant import TurboQuantLayer, TurboQuantOptions
 
 
 # ---------------------------------------------------------------- helpers
@@ -71,7 +71,7 @@ def test_h2o_keeps_largest_accumulated_attention_on_a_planted_example():
             k[0, h, tok] = 0
             k[0, h, tok, 0] = 6.0
         q[0, h * 2:(h + 1) * 2, :, 0] = 2.0  # every query of the head looks along dim 0
-    layer = H2OLayer(LayerSpec(0, info(hq, hkv, d)), budget=8, recent=4)
+    layer = H2OLayer(LayerSpec(0, info(hq, hkv, d)), H2OOptions(budget=8, recent=4))
     step(layer, q[:, :, :t], k[:, :, :t], k[:, :, :t].clone(), 0)
     for i in range(t, t + 6):  # decode steps, one eviction each
         step(layer, q[:, :, i:i + 1], k[:, :, i:i + 1], k[:, :, i:i + 1].clone(), i)
@@ -92,7 +92,7 @@ def test_h2o_matches_reference_accumulation_prefill_then_decode():
     q = torch.randn(b, hq, n, d)
     k = torch.randn(b, hkv, n, d).half().float()  # stored in fp16: make the reference see the same keys
     v = torch.randn(b, hkv, n, d)
-    layer = H2OLayer(LayerSpec(0, info(hq, hkv, d)), budget=budget, recent=recent)
+    layer = H2OLayer(LayerSpec(0, info(hq, hkv, d)), H2OOptions(budget=budget, recent=recent))
     step(layer, q[:, :, :t], k[:, :, :t], v[:, :, :t], 0)
     for i in range(t, n):
         step(layer, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], i)
@@ -150,8 +150,8 @@ def test_scissorhands_evicts_by_persistence_rule():
     budget, recent, drop, history = 16, 3, 4, 6
     n = t + extra
     q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d).half().float(), torch.randn(b, hkv, n, d)
-    layer = ScissorhandsLayer(LayerSpec(0, info(hq, hkv, d)), budget=budget, recent=recent, drop=drop,
-                              history=history)
+    options = ScissorhandsOptions(budget=budget, recent=recent, drop=drop, history=history)
+    layer = ScissorhandsLayer(LayerSpec(0, info(hq, hkv, d)), options)
     step(layer, q[:, :, :t], k[:, :, :t], v[:, :, :t], 0)
     sizes = [len(layer.store)]
     for i in range(t, n):
@@ -205,8 +205,8 @@ def test_scissorhands_drops_a_one_off_heavy_hitter_that_h2o_keeps():
     q[0, :, 3:12, 0] = 3.0  # early queries stare at token 2
     q[0, :, 12:, 1] = 3.0  # later queries look at tokens 5 and 6
     v = torch.randn(b, hkv, t, d)
-    h2o = H2OLayer(LayerSpec(0, info(hq, hkv, d)), budget=6, recent=3)
-    sc = ScissorhandsLayer(LayerSpec(0, info(hq, hkv, d)), budget=6, recent=3, drop=1, history=8)
+    h2o = H2OLayer(LayerSpec(0, info(hq, hkv, d)), H2OOptions(budget=6, recent=3))
+    sc = ScissorhandsLayer(LayerSpec(0, info(hq, hkv, d)), ScissorhandsOptions(budget=6, recent=3, drop=1, history=8))
     step(h2o, q, k, v, 0)
     step(sc, q, k, v, 0)
     assert 2 in kept_tokens(h2o, 1, 1)[0][0]
@@ -241,7 +241,7 @@ def test_eviction_really_changes_the_output_and_a_large_budget_does_not():
 def test_kivi_reconstruction_within_half_a_step_and_residual_exact():
     torch.manual_seed(5)
     b, hq, hkv, d = 2, 4, 2, 64
-    layer = KiviLayer(LayerSpec(0, info(hq, hkv, d)), bits=2, group=32, residual=128)
+    layer = KiviLayer(LayerSpec(0, info(hq, hkv, d)), KiviOptions(bits=2, group=32, residual=128))
     k = torch.randn(b, hkv, 300, d) * torch.linspace(0.2, 8, d)  # outlier channels, as in real keys
     v = torch.randn(b, hkv, 300, d)
     step(layer, torch.randn(b, hq, 300, d), k, v, 0)
@@ -260,7 +260,7 @@ def test_kivi_reconstruction_within_half_a_step_and_residual_exact():
 def test_kivi_attention_from_packed_form_equals_attention_over_dequantized():
     torch.manual_seed(6)
     b, hq, hkv, d, t = 1, 4, 2, 32, 200
-    layer = KiviLayer(LayerSpec(0, info(hq, hkv, d)), bits=4, group=32, residual=16)
+    layer = KiviLayer(LayerSpec(0, info(hq, hkv, d)), KiviOptions(bits=4, group=32, residual=16))
     k, v = torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
     step(layer, torch.randn(b, hq, t, d), k, v, 0)
     assert layer.quantized == 160
@@ -283,7 +283,7 @@ def test_kivi_left_padding_never_widens_a_quantization_range():
     with real tokens, and the row's attention must be close to exact attention over its real tokens."""
     torch.manual_seed(10)
     b, hq, hkv, d, t, pad = 2, 4, 2, 32, 200, 40
-    layer = KiviLayer(LayerSpec(0, info(hq, hkv, d)), bits=4, group=32, residual=16)
+    layer = KiviLayer(LayerSpec(0, info(hq, hkv, d)), KiviOptions(bits=4, group=32, residual=16))
     k, v = torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
     k[1, :, :pad], v[1, :, :pad] = 1e3, -1e3
     pad_len = torch.tensor([0, pad])
@@ -323,7 +323,7 @@ def test_turboquant_reconstruction_within_paper_bound(bits):
     """TurboQuant's MSE bound: E|x - x^|^2 / |x|^2 <= sqrt(3) pi / 2 * 4^-bits (Zandieh et al., Thm 1)."""
     torch.manual_seed(bits)
     b, hq, hkv, d, t = 1, 4, 2, 64, 256
-    layer = TurboQuantLayer(LayerSpec(0, info(hq, hkv, d)), key_bits=bits, value_bits=bits)
+    layer = TurboQuantLayer(LayerSpec(0, info(hq, hkv, d)), TurboQuantOptions(key_bits=bits, value_bits=bits))
     k = torch.randn(b, hkv, t, d) * torch.linspace(0.1, 5, d)  # anisotropic, with outlier channels
     v = torch.randn(b, hkv, t, d) + 2.0
     step(layer, torch.randn(b, hq, t, d), k, v, 0)

@@ -17,6 +17,8 @@ def test_every_method_and_option_is_in_the_options_doc():
 
     doc = (ROOT / "docs" / "options.md").read_text()
     for name, info in kvshrink.methods().items():
+        if not info.module.startswith("kvshrink."):
+            continue  # e.g. the worked example registered by its test
         assert f"## `{name}`" in doc
         for opt in info.options:
             assert f"| `{opt}` |" in doc

@@ -101,7 +101,7 @@ def test_unknown_method_and_option_list_the_valid_ones():
         kvshrink.make_cache("streaming", model, windw=3)
     with pytest.raises(ValueError, match="expects int"):
         kvshrink.make_cache("streaming", model, window="many")
-    with pytest.raises(ValueError, match="window >= 1"):
+    with pytest.raises(ValueError, match="option 'window' must be >= 1, got 0"):
         kvshrink.make_cache("streaming", model, window=0)
 
 
@@ -202,6 +202,6 @@ def test_demo_command_keeps_multi_option_specs_whole(monkeypatch):
     from kvshrink.cli import main
 
     seen = {}
-    monkeypatch.setattr(kvshrink.demo, "run_demo", lambda length, methods: seen.update(methods=methods) or 0)
+    monkeypatch.setattr(kvshrink.demo, "run_demo", lambda length, methods, **kw: seen.update(methods=methods) or 0)
     assert main(["demo", "--methods", "full,lrqk:top_k=512,slot_dtype=float16,shard"]) == 0
     assert seen["methods"] == ["full", "lrqk:top_k=512,slot_dtype=float16", "shard"]

@@ -9,14 +9,9 @@ from pathlib import Path
 
 
 def _parse_options(items: list[str]) -> dict[str, str]:
-    options: dict[str, str] = {}
-    for item in items or []:
-        for part in filter(None, item.split(",")):
-            key, eq, value = part.partition("=")
-            if not eq or not key:
-                raise SystemExit(f"kvshrink: bad --option {part!r}: expected key=value")
-            options[key.strip()] = value.strip()
-    return options
+    from kvshrink.cache.registry import parse_options
+
+    return {k: v for item in items or [] for k, v in parse_options(item, " in --option").items()}
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,23 @@
-"""The method registry: names, options, validation, and ``make_cache``."""
+"""The method registry: names, options, validation, and ``make_cache``.
+
+A method declares its options once, as the fields of a dataclass made with :func:`option` (default,
+help, choices, range); validation, ``kvshrink methods``, the CLI and docs/options.md all read them::
+
+    @dataclass
+    class StreamingOptions:
+        sinks: int = option(4, "tokens kept at the start of each row", low=0)
+        window: int = option(1024, "most recent tokens kept", low=1)
+
+    @register_method("streaming", "StreamingLLM: ...", options=StreamingOptions)
+    class StreamingLayer(CacheLayer):
+        def __init__(self, spec: LayerSpec, options: StreamingOptions): ...
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -13,12 +29,34 @@ _BOOL_WORDS = {"true": True, "on": True, "yes": True, "1": True,
 
 @dataclass(frozen=True)
 class Option:
-    """One option of a method. ``type`` defaults to the type of ``default``."""
+    """One option of a method. ``type`` defaults to the type of ``default``; ``low``/``high`` bound a
+    number (inclusive unless ``low_open``/``high_open``); ``None`` is accepted where the default is None."""
 
     default: Any
     help: str
     type: type | None = None
     choices: tuple | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def range_text(self) -> str | None:
+        """The allowed range, e.g. ``in (0, 8]`` or ``>= 1``; None when unbounded."""
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high}"
+        return None
+
+    def in_range(self, value: Any) -> bool:
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return True
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or not (value >= self.high if self.high_open else value > self.high)
 
     @property
     def kind(self) -> type:
@@ -46,9 +84,44 @@ class Option:
                 out = kind(value)
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"option '{name}' expects {kind.__name__}, got {value!r}") from None
+        if out is None and self.default is not None:
+            raise ValueError(f"option '{name}' needs a value ({kind.__name__})")
         if self.choices is not None and out not in self.choices:
             raise ValueError(f"option '{name}' must be one of {list(self.choices)}, got {out!r}")
+        if not self.in_range(out):
+            raise ValueError(f"option '{name}' must be {self.range_text()}, got {out!r}")
         return out
+
+
+_OPTION = "kvshrink_option"
+
+
+def option(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
+           high: float | None = None, low_open: bool = False, high_open: bool = False) -> Any:
+    """A dataclass field declaring one method option (its type comes from the field's annotation)."""
+    spec = Option(default, help, None, tuple(choices) if choices is not None else None, low, high,
+                  low_open, high_open)
+    return field(default=default, metadata={_OPTION: spec})
+
+
+def declared_options(config: type) -> dict[str, Option]:
+    """The options a dataclass declares with :func:`option`, typed by its annotations."""
+    hints = typing.get_type_hints(config)
+    out = {}
+    for f in dataclasses.fields(config):
+        spec = f.metadata.get(_OPTION)
+        if spec is not None:
+            out[f.name] = dataclasses.replace(spec, type=_plain_type(hints[f.name]))
+    return out
+
+
+def _plain_type(hint: Any) -> type:
+    """``int | None`` -> ``int``; a plain class is returned as is."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
 
 
 @dataclass(frozen=True)
@@ -57,6 +130,8 @@ class MethodInfo:
     description: str
     options: dict[str, Option]
     build: Callable[..., Any] = field(repr=False)  # build(model, info, **options) -> cache
+    config: type | None = field(default=None, repr=False)  # the options dataclass, if the method has one
+    module: str = ""  # where the method is defined (kvshrink's own methods: kvshrink.methods.*)
 
 
 _METHODS: dict[str, MethodInfo] = {}
@@ -67,33 +142,43 @@ COMMON_OPTIONS = {
 }
 
 
-def register_method(name: str, description: str, options: dict[str, Option] | None = None,
+def register_method(name: str, description: str, options: type | dict[str, Option] | None = None,
                     build: Callable[..., Any] | None = None):
     """Class decorator registering a ``CacheLayer`` subclass as method ``name``.
 
-    The layer class is constructed as ``cls(spec, **options)`` for each decoder layer. A method that
-    is not built from kvshrink layers (e.g. a wrapper of another cache) passes ``build`` instead.
+    ``options`` is the method's options dataclass (fields made with :func:`option`); each decoder
+    layer is then constructed as ``cls(spec, config)`` with one instance of it, whose
+    ``__post_init__`` may check what involves several options. A method without options passes
+    nothing (``cls(spec)``); a plain ``{name: Option}`` dict gives ``cls(spec, **options)``. A method
+    that is not built from kvshrink layers (e.g. a wrapper of another cache) passes ``build`` instead,
+    called as ``build(model, info, multi_turn=..., **options)``.
     """
-    opts = dict(options or {})
+    config = options if isinstance(options, type) else None
+    opts = declared_options(config) if config is not None else dict(options or {})
 
     def decorate(cls):
         if name in _METHODS:
             raise ValueError(f"method '{name}' is registered twice")
-        builder = build or _layer_builder(name, cls)
+        builder = build or _layer_builder(name, cls, config)
         if isinstance(cls, type):
             cls.method_name = name
-        _METHODS[name] = MethodInfo(name, description, opts, builder)
+        _METHODS[name] = MethodInfo(name, description, opts, builder, config, getattr(cls, "__module__", ""))
         return cls
 
     return decorate
 
 
-def _layer_builder(name: str, cls) -> Callable[..., Any]:
+def _layer_builder(name: str, cls, config: type | None) -> Callable[..., Any]:
     def build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
         from kvshrink.cache.base import KVShrinkCache
         from kvshrink.cache.integration import install
 
-        cache = KVShrinkCache(name, options, info, lambda spec: cls(spec, **options), multi_turn=multi_turn)
+        if config is not None:
+            cfg = config(**options)
+            factory = lambda spec: cls(spec, cfg)  # noqa: E731
+        else:
+            factory = lambda spec: cls(spec, **options)  # noqa: E731
+        cache = KVShrinkCache(name, options, info, factory, multi_turn=multi_turn)
         install(model)
         return cache
 
@@ -111,13 +196,15 @@ def methods() -> dict[str, MethodInfo]:
 
 
 def options_markdown() -> str:
-    """Every method's options as Markdown tables (docs/options.md is this text; a test keeps it so)."""
+    """Every built-in method's options as Markdown tables (docs/options.md is this text; a test keeps it
+    so). Methods registered from outside kvshrink are left out."""
     lines = ["# Options of every method", "",
              "Generated by `kvshrink methods --markdown` from the options the methods declare; pass them as",
              "keywords to `make_cache`, or as `name:option=value,...` on the command line.", ""]
     lines += ["Every method also takes:", ""]
     lines += [f"- `{k}` (default `{o.default!r}`): {o.help}" for k, o in COMMON_OPTIONS.items()] + [""]
-    for name, info in methods().items():
+    builtin = {name: info for name, info in methods().items() if info.module.startswith("kvshrink.")}
+    for name, info in builtin.items():
         lines += [f"## `{name}`", "", info.description, ""]
         if not info.options:
             lines += ["No options.", ""]
@@ -127,6 +214,8 @@ def options_markdown() -> str:
             meaning = spec.help.replace("|", "\\|")
             if spec.choices is not None:
                 meaning += " (one of " + ", ".join(f"`{c}`" for c in spec.choices) + ")"
+            elif spec.range_text() is not None:
+                meaning += f" ({spec.range_text()})"
             lines.append(f"| `{opt}` | `{spec.default!r}` | {meaning} |")
         lines.append("")
     return "\n".join(lines)
@@ -149,17 +238,24 @@ def resolve_options(method: MethodInfo, options: dict[str, Any]) -> dict[str, An
     return {k: opt.coerce(k, options.get(k, opt.default)) for k, opt in valid.items()}
 
 
+def parse_options(text: str, where: str = "") -> dict[str, str]:
+    """``"key=value,key=value"`` -> ``{"key": "value", ...}`` (values as strings): the one parser of
+    option text, for method specs and the CLI's ``--option``."""
+    options: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad option {item!r}{where}: expected key=value")
+        options[key.strip()] = value.strip()
+    return options
+
+
 def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"name:key=value,key=value"`` -> ``("name", {"key": "value", ...})`` (values as strings)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty method spec {spec!r}")
     name, _, rest = spec.strip().partition(":")
-    options: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"bad option {item!r} in method spec {spec!r}: expected key=value")
-        options[key.strip()] = value.strip()
+    options = parse_options(rest, f" in method spec {spec!r}")
     get_method(name.strip())
     return name.strip(), options
 

@@ -6,22 +6,27 @@ ratios are quoted against, and on an fp32 model a measure of how much rounding a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.exact_layer import ExactLayer
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import STORAGE_DTYPES
 
 DTYPES = {"model": None, **STORAGE_DTYPES}
 
 
-@register_method("full", "exact cache in the model's dtype (the reference)", options={
-    "dtype": Option("model", "storage dtype: the model's, or float16/bfloat16/float32", choices=tuple(DTYPES)),
-})
+@dataclass
+class FullOptions:
+    dtype: str = option("model", "storage dtype: the model's, or float16/bfloat16/float32", choices=tuple(DTYPES))
+
+
+@register_method("full", "exact cache in the model's dtype (the reference)", options=FullOptions)
 class FullLayer(ExactLayer):
-    def __init__(self, spec: LayerSpec, dtype: str = "model"):
-        super().__init__(spec, DTYPES[dtype])
+    def __init__(self, spec: LayerSpec, options: FullOptions):
+        super().__init__(spec, DTYPES[options.dtype])
 
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         self.store.append(key, value, ctx.new_index)

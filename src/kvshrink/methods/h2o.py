@@ -12,12 +12,13 @@ are that row's query heads, so keys are never repeated to query heads.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial, merge_partials
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import ExactStore, held_bytes
 
 # Probability elements computed at once while scoring (bounds prefill memory: never T x T x heads).
@@ -230,22 +231,27 @@ def select_per_row(score: torch.Tensor, keep: torch.Tensor, recent: torch.Tensor
     return top, ~torch.gather(chosen, 1, top)
 
 
+@dataclass
+class H2OOptions:
+    budget: float = option(0.2, "tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the tokens "
+                                "seen so far", low=0, low_open=True)
+    recent: float = option(0.5, "of the budget, the most recent tokens always kept: a count (>= 1), or a "
+                                "fraction (0 <= f < 1) of the budget (the rest are heavy hitters)", low=0)
+
+    def __post_init__(self):
+        check_count_option(self.budget, "budget")
+        check_count_option(self.recent, "recent", allow_zero=True)
+
+
 @register_method(
     "h2o",
     "H2O: keep heavy hitters (largest accumulated attention, per KV head) plus recent tokens under a token budget",
-    options={
-        "budget": Option(0.2, "tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the tokens "
-                              "seen so far", type=float),
-        "recent": Option(0.5, "of the budget, the most recent tokens always kept: a count (>= 1), or a fraction "
-                              "(0 <= f < 1) of the budget (the rest are heavy hitters)", type=float),
-    },
+    options=H2OOptions,
 )
 class H2OLayer(ScoredEvictionLayer):
-    def __init__(self, spec: LayerSpec, budget: float = 0.2, recent: float = 0.5):
+    def __init__(self, spec: LayerSpec, options: H2OOptions):
         super().__init__(spec)
-        check_count_option(budget, "budget")
-        check_count_option(recent, "recent", allow_zero=True)
-        self.budget, self.recent = budget, recent
+        self.budget, self.recent = options.budget, options.recent
 
     def observe(self, probs, rows, visible, start, q_len) -> None:
         n = probs.shape[-1]

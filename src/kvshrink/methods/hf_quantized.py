@@ -13,13 +13,14 @@ Backends: ``quanto`` needs ``optimum-quanto`` (>= 0.2.5), ``hqq`` needs ``hqq``;
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import QuantizedCache
 
 from kvshrink.cache.base import CacheAccounting, ModelInfo
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import held_bytes
 from kvshrink.extras import require
 
@@ -91,24 +92,26 @@ class MeasuredQuantizedCache(CacheAccounting, QuantizedCache):
         return f"MeasuredQuantizedCache(hf-quantized:{opts}, tokens={self.get_seq_length()})"
 
 
-def build_hf_quantized(model: torch.nn.Module, info: ModelInfo, multi_turn: bool = False, backend: str = "quanto",
-                       bits: int = 4, group: int = 64, residual: int = 128) -> MeasuredQuantizedCache:
-    require_backend(backend)
-    if group < 1 or residual < 1:
-        raise ValueError(f"hf-quantized needs group >= 1 and residual >= 1, got group={group}, residual={residual}")
+@dataclass
+class HFQuantizedOptions:
+    backend: str = option("quanto", "quantization backend", choices=("quanto", "hqq"))
+    bits: int = option(4, "bits per element", choices=(2, 4))
+    group: int = option(64, "quantization group size (transformers' q_group_size)", low=1)
+    residual: int = option(128, "exact residual length before re-quantizing (transformers' residual_length)", low=1)
+
+
+def build_hf_quantized(model: torch.nn.Module, info: ModelInfo, multi_turn: bool = False,
+                       **options: Any) -> MeasuredQuantizedCache:
+    opts = HFQuantizedOptions(**options)
+    require_backend(opts.backend)
     # The model keeps (or gets back) ordinary attention: this cache returns plain dequantized tensors,
     # which the kvshrink attention function would hand to SDPA anyway.
-    return MeasuredQuantizedCache(backend, model.config, info, bits, group, residual)
+    return MeasuredQuantizedCache(opts.backend, model.config, info, opts.bits, opts.group, opts.residual)
 
 
 register_method(
     "hf-quantized",
     "transformers' QuantizedCache (quanto or hqq backend), bytes measured on what it really holds",
-    options={
-        "backend": Option("quanto", "quantization backend", choices=("quanto", "hqq")),
-        "bits": Option(4, "bits per element", choices=(2, 4)),
-        "group": Option(64, "quantization group size (transformers' q_group_size)"),
-        "residual": Option(128, "exact residual length before re-quantizing (transformers' residual_length)"),
-    },
+    options=HFQuantizedOptions,
     build=build_hf_quantized,
 )(build_hf_quantized)

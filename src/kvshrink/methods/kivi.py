@@ -14,11 +14,13 @@ Also home of :class:`ExactTail`, the exact recent-token segment KIVI and TurboQu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import held_bytes
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
 from kvshrink.methods.h2o import storage_dtype
@@ -100,27 +102,31 @@ def _slice_codes(c: GroupCode, dim: int, start: int, stop: int) -> GroupCode:
                      c.zero.narrow(dim, start, stop - start), c.bits, c.group_size)
 
 
+@dataclass
+class KiviOptions:
+    bits: int = option(2, "bits per key and value element", choices=(2, 4))
+    group: int = option(32, "group size: tokens per key group (per channel), channels per value group (per token)",
+                        low=1)
+    residual: int = option(128, "most recent tokens kept exactly (fp16) until whole groups beyond them form", low=0)
+
+
 @register_method(
     "kivi",
     "KIVI: asymmetric 2/4-bit quantization, keys per channel and values per token in groups, exact recent residual",
-    options={
-        "bits": Option(2, "bits per key and value element", choices=(2, 4)),
-        "group": Option(32, "group size: tokens per key group (per channel), channels per value group (per token)"),
-        "residual": Option(128, "most recent tokens kept exactly (fp16) until whole groups beyond them form"),
-    },
+    options=KiviOptions,
 )
 class KiviLayer(CacheLayer):
     commit_needs_attention = False  # quantizing needs only the keys and values
-    def __init__(self, spec: LayerSpec, bits: int = 2, group: int = 32, residual: int = 128):
+
+    def __init__(self, spec: LayerSpec, options: KiviOptions):
         super().__init__(spec)
-        if group < 1 or residual < 0:
-            raise ValueError(f"kivi needs group >= 1 and residual >= 0, got group={group}, residual={residual}")
+        group = options.group
         if self.info.head_dim % group:
             raise NotImplementedError(
                 f"kivi groups values per token in groups of {group} channels; head size {self.info.head_dim} is "
                 "not a multiple of it (choose a group that divides the head size)"
             )
-        self.bits, self.group, self.residual = bits, group, residual
+        self.bits, self.group, self.residual = options.bits, group, options.residual
         self.tail = ExactTail(storage_dtype(self.info.dtype))
         self.clear()
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import STORAGE_DTYPES, held_bytes
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
@@ -45,89 +46,75 @@ _FACTOR_BLOCK = 256
 # Index given to slots that are resident but not selected: later than any query, so masked.
 _NEVER = 1 << 62
 
-OPTIONS = {
-    "rank": Option(None, "rank r of the query/key factors (default head_size/4: 16 for 64, 32 for 128)", type=int),
-    "top_k": Option(256, "tokens older than the window attended per KV head (exactly)"),
-    "window": Option(64, "most recent tokens always attended (kept in fast memory)"),
-    "iters": Option(2, "alternating iterations of the prefill factorization"),
-    "tol": Option(1e-2, "stop the prefill iterations once the objective changes by less (relative)"),
-    "lam": Option(1.0, "weight of the Q/K reconstruction penalties"),
-    "fast_device": Option("auto", "device of the fast tier: auto (the model's device), cpu, cuda, cuda:N"),
-    "slow_tier": Option("cpu", "where every token's full K/V lives", choices=SLOW_TIERS),
-    "disk_folder": Option(None, "folder for slow_tier=disk (a private subfolder is made and removed)", type=str),
-    "policy": Option("set", "slot replacement: set (paper), lru, attention", choices=POLICIES),
-    "extra_slots": Option(None, "slots beyond top_k for lru/attention/prefetch (default top_k/4)", type=int),
-    "prefetch": Option(False, "load the next-ranked rows in the background for the next step"),
-    "prefill_chunk": Option(None, "block of past tokens read at once by chunked-prefill attention", type=int),
-    "factor_heads": Option("kv", "key factors per KV head (kv) or per query head (query)", choices=FACTOR_HEADS),
-    "factor_dtype": Option("float16", "dtype of the stored key factors", choices=tuple(STORAGE_DTYPES)),
-    "slot_dtype": Option("auto", "dtype of the K/V rows in fast memory (slots, window): auto (the model's dtype "
-                                 "if 16-bit, else float16, as an fp16 cache holds them), model, or "
-                                 "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
-                         choices=("auto", "model", *STORAGE_DTYPES)),
-    "selection": Option("proxy", "proxy (LRQK) or exact (diagnostic: exact scores read from the slow tier, "
-                                 "the selection LRQK approximates)", choices=("proxy", "exact")),
-    "fit_resident": Option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)"),
-    "update_bases": Option(True, "take the line-search step on the bases at each decode step"),
-    "seed": Option(0, "seed of the random initialisation of the factorization"),
-    "measure_recall": Option(False, "diagnostic: record the exact attention mass the top-k captures "
-                                    "(reads every key from the slow tier each step; slow)"),
-}
+@dataclass
+class LRQKOptions:
+    """LRQK's options (the one declaration: help, choices and ranges live here)."""
 
+    rank: int | None = option(None, "rank r of the query/key factors (default head_size/4: 16 for 64, 32 for 128)",
+                              low=1)
+    top_k: int = option(256, "tokens older than the window attended per KV head (exactly)", low=1)
+    window: int = option(64, "most recent tokens always attended (kept in fast memory)", low=0)
+    iters: int = option(2, "alternating iterations of the prefill factorization", low=1)
+    tol: float = option(1e-2, "stop the prefill iterations once the objective changes by less (relative)", low=0)
+    lam: float = option(1.0, "weight of the Q/K reconstruction penalties", low=0, low_open=True)
+    fast_device: str = option("auto", "device of the fast tier: auto (the model's device), cpu, cuda, cuda:N")
+    slow_tier: str = option("cpu", "where every token's full K/V lives", choices=SLOW_TIERS)
+    disk_folder: str | None = option(None, "folder for slow_tier=disk (a private subfolder is made and removed)")
+    policy: str = option("set", "slot replacement: set (paper), lru, attention", choices=POLICIES)
+    extra_slots: int | None = option(None, "slots beyond top_k for lru/attention/prefetch (default top_k/4)", low=0)
+    prefetch: bool = option(False, "load the next-ranked rows in the background for the next step")
+    prefill_chunk: int | None = option(None, "block of past tokens read at once by chunked-prefill attention",
+                                       low=1)
+    factor_heads: str = option("kv", "key factors per KV head (kv) or per query head (query)", choices=FACTOR_HEADS)
+    factor_dtype: str = option("float16", "dtype of the stored key factors", choices=tuple(STORAGE_DTYPES))
+    slot_dtype: str = option("auto", "dtype of the K/V rows in fast memory (slots, window): auto (the model's "
+                             "dtype if 16-bit, else float16, as an fp16 cache holds them), model, or "
+                             "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
+                             choices=("auto", "model", *STORAGE_DTYPES))
+    selection: str = option("proxy", "proxy (LRQK) or exact (diagnostic: exact scores read from the slow tier, "
+                            "the selection LRQK approximates)", choices=("proxy", "exact"))
+    fit_resident: bool = option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)")
+    update_bases: bool = option(True, "take the line-search step on the bases at each decode step")
+    seed: int = option(0, "seed of the random initialisation of the factorization")
+    measure_recall: bool = option(False, "diagnostic: record the exact attention mass the top-k captures "
+                                  "(reads every key from the slow tier each step; slow)")
 
-def _validate(info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk) -> None:
-    d = info.head_dim
-    if rank is not None and not 1 <= rank <= d:
-        raise ValueError(f"lrqk: rank must be in [1, head size {d}], got {rank}")
-    if top_k < 1:
-        raise ValueError(f"lrqk: top_k must be >= 1, got {top_k}")
-    if window < 0:
-        raise ValueError(f"lrqk: window must be >= 0, got {window}")
-    if iters < 1 or tol < 0 or lam <= 0:
-        raise ValueError(f"lrqk: need iters >= 1, tol >= 0, lam > 0; got iters={iters}, tol={tol}, lam={lam}")
-    if extra_slots is not None and extra_slots < 0:
-        raise ValueError(f"lrqk: extra_slots must be >= 0, got {extra_slots}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise ValueError(f"lrqk: prefill_chunk must be >= 1, got {prefill_chunk}")
+    def __post_init__(self):
+        if self.slow_tier == "disk" and self.disk_folder is None:
+            raise ValueError("lrqk: slow_tier='disk' needs disk_folder=<a writable folder>")
 
 
 @register_method(
     "lrqk",
     "LRQK: low-rank Q/K proxy scores pick the top-k tokens; exact attention over them; two-tier KV",
-    options=OPTIONS,
+    options=LRQKOptions,
 )
 class LRQKLayer(CacheLayer):
-    def __init__(self, spec: LayerSpec, rank: int | None = None, top_k: int = 256, window: int = 64,
-                 iters: int = 2, tol: float = 1e-2, lam: float = 1.0, fast_device: str = "auto",
-                 slow_tier: str = "cpu", disk_folder: str | None = None, policy: str = "set",
-                 extra_slots: int | None = None, prefetch: bool = False, prefill_chunk: int | None = None,
-                 factor_heads: str = "kv", factor_dtype: str = "float16", slot_dtype: str = "auto",
-                 selection: str = "proxy", fit_resident: bool = True, update_bases: bool = True,
-                 seed: int = 0, measure_recall: bool = False):
+    def __init__(self, spec: LayerSpec, options: LRQKOptions):
         super().__init__(spec)
-        _validate(self.info, rank, top_k, window, iters, tol, lam, extra_slots, prefill_chunk)
-        if slow_tier == "disk":
-            if disk_folder is None:
-                raise ValueError("lrqk: slow_tier='disk' needs disk_folder=<a writable folder>")
-            _check_writable(disk_folder)
-        self.rank = rank or default_rank(self.info.head_dim)
-        self.top_k, self.window, self.iters, self.tol, self.lam = top_k, window, iters, tol, lam
-        self.fast_device_option = fast_device
-        self.slow_kind, self.disk_folder = slow_tier, disk_folder
-        self.policy, self.prefetch_on = policy, prefetch
+        o = options
+        if o.rank is not None and o.rank > self.info.head_dim:
+            raise ValueError(f"lrqk: rank must be in [1, head size {self.info.head_dim}], got {o.rank}")
+        if o.slow_tier == "disk":
+            _check_writable(o.disk_folder)
+        self.rank = o.rank or default_rank(self.info.head_dim)
+        self.top_k, self.window, self.iters, self.tol, self.lam = o.top_k, o.window, o.iters, o.tol, o.lam
+        self.fast_device_option = o.fast_device
+        self.slow_kind, self.disk_folder = o.slow_tier, o.disk_folder
+        self.policy, self.prefetch_on = o.policy, o.prefetch
         # lru/attention keep `extra` rows beyond the selection in slots; prefetch stages `extra` rows
         # outside the slots, so `set` keeps exactly top_k slots with or without prefetch.
-        self.extra = extra_slots if extra_slots is not None else top_k // 4
-        self.slot_extra = self.extra if policy != "set" else 0
-        self.block = prefill_chunk or 1024
-        self.per_query_head = factor_heads == "query"
-        self.factor_dtype = STORAGE_DTYPES[factor_dtype]
-        self.slot_dtype_option = slot_dtype
-        self.update_bases = update_bases
-        self.fit_resident = fit_resident
-        self.exact_selection = selection == "exact"
-        self.seed = seed + 1000 * self.layer_idx
-        self.measure_recall = measure_recall
+        self.extra = o.extra_slots if o.extra_slots is not None else o.top_k // 4
+        self.slot_extra = self.extra if o.policy != "set" else 0
+        self.block = o.prefill_chunk or 1024
+        self.per_query_head = o.factor_heads == "query"
+        self.factor_dtype = STORAGE_DTYPES[o.factor_dtype]
+        self.slot_dtype_option = o.slot_dtype
+        self.update_bases = o.update_bases
+        self.fit_resident = o.fit_resident
+        self.exact_selection = o.selection == "exact"
+        self.seed = o.seed + 1000 * self.layer_idx
+        self.measure_recall = o.measure_recall
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 

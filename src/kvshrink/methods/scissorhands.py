@@ -13,10 +13,12 @@ query ``i`` steps back found the token important (so ``history <= 62``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvshrink.cache.base import LayerSpec, StepContext
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.methods.h2o import ScoredEvictionLayer, check_count_option, resolve_counts, select_per_row
 
 MAX_HISTORY = 62
@@ -28,32 +30,36 @@ def persistence_counts(history_bits: torch.Tensor, history: int) -> torch.Tensor
     return ((history_bits.unsqueeze(-1) >> shifts) & 1).sum(dim=-1)
 
 
+@dataclass
+class ScissorhandsOptions:
+    budget: float = option(0.2, "most tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the "
+                                "tokens seen so far", low=0, low_open=True)
+    recent: float = option(0.25, "most recent tokens never evicted: a count (>= 1) or a fraction (0 <= f < 1) "
+                                 "of the budget", low=0)
+    history: int = option(32, "history window: the last queries whose attention counts (one bit per query)",
+                          low=1, high=MAX_HISTORY)
+    drop: float = option(0.1, "tokens evicted at once when the budget is exceeded: a count (>= 1) or a fraction "
+                              "(0 < f < 1) of the budget", low=0, low_open=True)
+
+    def __post_init__(self):
+        check_count_option(self.budget, "budget")
+        check_count_option(self.recent, "recent", allow_zero=True)
+        check_count_option(self.drop, "drop")
+
+
 @register_method(
     "scissorhands",
     "Scissorhands: keep tokens whose attention stayed above average over a history window (persistence of "
     "importance), fixed budget per KV head, evict the least persistent in batches",
-    options={
-        "budget": Option(0.2, "most tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the "
-                              "tokens seen so far", type=float),
-        "recent": Option(0.25, "most recent tokens never evicted: a count (>= 1) or a fraction (0 <= f < 1) of "
-                               "the budget", type=float),
-        "history": Option(32, f"history window: the last queries whose attention counts (1..{MAX_HISTORY})"),
-        "drop": Option(0.1, "tokens evicted at once when the budget is exceeded: a count (>= 1) or a fraction "
-                            "(0 < f < 1) of the budget", type=float),
-    },
+    options=ScissorhandsOptions,
 )
 class ScissorhandsLayer(ScoredEvictionLayer):
     score_dtype = torch.int64
 
-    def __init__(self, spec: LayerSpec, budget: float = 0.2, recent: float = 0.25, history: int = 32,
-                 drop: float = 0.1):
+    def __init__(self, spec: LayerSpec, options: ScissorhandsOptions):
         super().__init__(spec)
-        check_count_option(budget, "budget")
-        check_count_option(recent, "recent", allow_zero=True)
-        check_count_option(drop, "drop")
-        if not 1 <= history <= MAX_HISTORY:
-            raise ValueError(f"history must be in 1..{MAX_HISTORY} (one bit per query), got {history}")
-        self.budget, self.recent, self.history, self.drop = budget, recent, history, drop
+        self.budget, self.recent, self.drop = options.budget, options.recent, options.drop
+        self.history = options.history
 
     def begin_step(self, rows: int, q: int, device: torch.device) -> None:
         if self.score is not None:  # every stored token's history moves q queries back

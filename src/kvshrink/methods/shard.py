@@ -63,7 +63,7 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import STORAGE_DTYPES, held_bytes
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
@@ -89,121 +89,69 @@ _SCORE_ELEMENTS = 1 << 22
 # ----------------------------------------------------------------------------------------------- config
 @dataclass
 class ShardConfig:
-    sinks: int = 4
-    window: int = 64
-    key_bits: float = 2.5
-    v_group: int = 4
-    v_codebook: int = 256
-    v_fit: str = "gaussian"
-    v_iters: int = 4
-    v_sample: int = 8192
-    pca_group: int = 0
-    rank: int = 0
-    pca_scope: str = "head"
-    k_levels: str = "lloyd"
-    drop_penalty: float = 4.0
-    stream_bits: int = 4
-    qjl: bool = False
-    seed: int = 0
-    exact_dtype: str = "float16"
-    min_block: int = 64
-    block_tokens: int = 8192
-    key_alloc: str = "layer"
-    calibration_tokens: int = 512
-    key_weights: str = "none"
-    salient: float = 0.015
-    observe: int = 32
-    salient_pool: int = 33
+    """Shard's options (the one declaration: help, choices and ranges live here)."""
 
-    def validate(self, head_dim: int, num_kv_heads: int) -> None:
-        def bad(msg: str):
-            raise ValueError(f"shard: {msg}")
+    sinks: int = option(4, "first tokens kept exact (attention sinks)", low=0)
+    window: int = option(64, "most recent tokens kept exact", low=0)
+    key_bits: float = option(2.5, "bits per key element for the compressed middle (PCA coefficients)",
+                             low=0, high=8, low_open=True)
+    v_group: int = option(4, "channels per value VQ group (must divide the head size)", low=1)
+    v_codebook: int = option(256, "value VQ codebook entries (power of two, 2..256)", low=2, high=256)
+    v_fit: str = option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
+                        "per block on a sample)", choices=V_FITS)
+    v_iters: int = option(4, "k-means iterations when v_fit='kmeans'", low=0)
+    v_sample: int = option(8192, "group vectors sampled to refine the codebook when v_fit='kmeans' "
+                           "(>= v_codebook)", low=2)
+    pca_group: int = option(0, "PCA components per DP bit-allocation group (0 = H_kv*d/16)", low=0)
+    rank: int = option(0, "PCA components computed per scope (0 = all)", low=0)
+    pca_scope: str = option("head", "one key PCA per 'layer' (all KV heads stacked, as the source) or per 'head' "
+                            "(3x cheaper to decode with 3 KV heads)", choices=PCA_SCOPES)
+    k_levels: str = option("lloyd", "key coefficient levels: 'lloyd' (2**b Gaussian Lloyd-Max levels) or "
+                           "'uniform' (symmetric ints, the source's int4)", choices=COEFF_LEVELS)
+    drop_penalty: float = option(4.0, "error multiplier for dropping a component group in the DP", low=1)
+    stream_bits: int = option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS)
+    qjl: bool = option(False, "add a 1-bit QJL residual sketch to the decode stream")
+    seed: int = option(0, "seed of the rotations and codebooks")
+    exact_dtype: str = option("float16", "dtype of the exact sinks and window", choices=tuple(STORAGE_DTYPES))
+    min_block: int = option(64, "fewest prompt tokens compressed by PCA/VQ at once (fewer go to the stream)", low=2)
+    block_tokens: int = option(8192, "middle tokens decoded at once during attention (bounds its transient "
+                               "memory)", low=1)
+    key_alloc: str = option("layer", "key budget: 'layer' (each layer key_bits) or 'global' (shared by all "
+                            "layers by a DP on calibrated per-layer spectra)", choices=KEY_ALLOCS)
+    calibration_tokens: int = option(512, "tokens of calibration text for key_alloc='global'", low=16)
+    key_weights: str = option("none", "key PCA error weights per channel: 'none' (plain key error) or 'query' "
+                              "(each RoPE pair weighted by the prompt's mean query energy in it: the score "
+                              "error)", choices=KEY_WEIGHTS)
+    salient: float = option(0.015, "fraction of each block's middle tokens kept exact per KV head: those the "
+                            "prompt's last `observe` queries attend to most (SnapKV-style)", low=0, high=0.5)
+    observe: int = option(32, "last prompt queries whose attention picks the salient tokens", low=1)
+    salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
+                               "spans several tokens, and the ones after an attended token are copied next", low=1)
 
-        if self.sinks < 0:
-            bad(f"sinks must be >= 0, got {self.sinks}")
-        if self.window < 0:
-            bad(f"window must be >= 0, got {self.window}")
-        if not 0 < self.key_bits <= 8:
-            bad(f"key_bits (bits per key element in the middle segment) must be in (0, 8], got {self.key_bits}")
-        if self.v_group < 1 or head_dim % self.v_group:
-            bad(f"v_group must divide the head size {head_dim}, got {self.v_group}")
+    def __post_init__(self):
         try:
             check_codebook_size(self.v_codebook)
         except ValueError:
-            bad(f"v_codebook must be a power of two in 2..256, got {self.v_codebook}")
-        if self.v_fit not in V_FITS:
-            bad(f"v_fit must be one of {V_FITS}, got {self.v_fit!r}")
-        if self.v_iters < 0 or self.v_sample < self.v_codebook:
-            bad(f"need v_iters >= 0 and v_sample >= v_codebook, got {self.v_iters}, {self.v_sample}")
-        if self.stream_bits not in STREAM_BITS:
-            bad(f"stream_bits must be one of {STREAM_BITS}, got {self.stream_bits}")
-        if self.exact_dtype not in STORAGE_DTYPES:
-            bad(f"exact_dtype must be one of {list(STORAGE_DTYPES)}, got {self.exact_dtype!r}")
-        if self.rank < 0 or self.rank > head_dim * num_kv_heads:
-            bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
-        if self.pca_group < 0:
-            bad(f"pca_group must be >= 0 (0 = automatic), got {self.pca_group}")
-        if self.drop_penalty < 1:
-            bad(f"drop_penalty must be >= 1, got {self.drop_penalty}")
-        if self.min_block < 2 or self.block_tokens < 1:
-            bad(f"need min_block >= 2 and block_tokens >= 1, got {self.min_block}, {self.block_tokens}")
-        if self.k_levels not in COEFF_LEVELS:
-            bad(f"k_levels must be one of {COEFF_LEVELS}, got {self.k_levels!r}")
-        if self.pca_scope not in PCA_SCOPES:
-            bad(f"pca_scope must be one of {PCA_SCOPES}, got {self.pca_scope!r}")
-        if self.key_alloc not in KEY_ALLOCS:
-            bad(f"key_alloc must be one of {KEY_ALLOCS}, got {self.key_alloc!r}")
-        if self.key_weights not in KEY_WEIGHTS:
-            bad(f"key_weights must be one of {KEY_WEIGHTS}, got {self.key_weights!r}")
-        if not 0 <= self.salient <= 0.5:
-            bad(f"salient (fraction of middle tokens kept exact) must be in [0, 0.5], got {self.salient}")
-        if self.observe < 1:
-            bad(f"observe must be >= 1, got {self.observe}")
-        if self.salient_pool < 1 or self.salient_pool % 2 == 0:
-            bad(f"salient_pool must be an odd number >= 1, got {self.salient_pool}")
-        if self.calibration_tokens < 16:
-            bad(f"calibration_tokens must be >= 16, got {self.calibration_tokens}")
+            self._bad(f"v_codebook must be a power of two in 2..256, got {self.v_codebook}")
+        if self.v_sample < self.v_codebook:
+            self._bad(f"v_sample must be >= v_codebook ({self.v_codebook}), got {self.v_sample}")
+        if self.salient_pool % 2 == 0:
+            self._bad(f"salient_pool must be an odd number >= 1, got {self.salient_pool}")
+
+    @staticmethod
+    def _bad(msg: str):
+        raise ValueError(f"shard: {msg}")
+
+    def validate(self, head_dim: int, num_kv_heads: int) -> None:
+        """The checks that depend on the model's attention shape."""
+        if head_dim % self.v_group:
+            self._bad(f"v_group must divide the head size {head_dim}, got {self.v_group}")
+        if self.rank > head_dim * num_kv_heads:
+            self._bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
 
     @property
     def v_bits_per_element(self) -> float:
         return math.log2(self.v_codebook) / self.v_group
-
-
-OPTIONS = {
-    "sinks": Option(4, "first tokens kept exact (attention sinks)"),
-    "window": Option(64, "most recent tokens kept exact (>= 0)"),
-    "key_bits": Option(2.5, "bits per key element for the compressed middle (PCA coefficients), in (0, 8]"),
-    "v_group": Option(4, "channels per value VQ group (must divide the head size)"),
-    "v_codebook": Option(256, "value VQ codebook entries (power of two, 2..256)"),
-    "v_fit": Option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
-                    "per block on a sample)", choices=V_FITS),
-    "v_iters": Option(4, "k-means iterations when v_fit='kmeans'"),
-    "v_sample": Option(8192, "group vectors sampled to refine the codebook when v_fit='kmeans'"),
-    "pca_group": Option(0, "PCA components per DP bit-allocation group (0 = H_kv*d/16)"),
-    "rank": Option(0, "PCA components computed per scope (0 = all)"),
-    "k_levels": Option("lloyd", "key coefficient levels: 'lloyd' (2**b Gaussian Lloyd-Max levels) or "
-                       "'uniform' (symmetric ints, the source's int4)", choices=COEFF_LEVELS),
-    "pca_scope": Option("head", "one key PCA per 'layer' (all KV heads stacked, as the source) or per 'head' "
-                        "(3x cheaper to decode with 3 KV heads)", choices=PCA_SCOPES),
-    "drop_penalty": Option(4.0, "error multiplier for dropping a component group in the DP"),
-    "stream_bits": Option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS),
-    "qjl": Option(False, "add a 1-bit QJL residual sketch to the decode stream"),
-    "seed": Option(0, "seed of the rotations and codebooks"),
-    "exact_dtype": Option("float16", "dtype of the exact sinks and window", choices=tuple(STORAGE_DTYPES)),
-    "min_block": Option(64, "fewest prompt tokens compressed by PCA/VQ at once (fewer go to the stream)"),
-    "block_tokens": Option(8192, "middle tokens decoded at once during attention (bounds its transient memory)"),
-    "key_alloc": Option("layer", "key budget: 'layer' (each layer key_bits) or 'global' (shared by all "
-                        "layers by a DP on calibrated per-layer spectra)", choices=KEY_ALLOCS),
-    "calibration_tokens": Option(512, "tokens of calibration text for key_alloc='global'"),
-    "key_weights": Option("none", "key PCA error weights per channel: 'none' (plain key error) or 'query' (each "
-                          "RoPE pair weighted by the prompt's mean query energy in it: the score error)",
-                          choices=KEY_WEIGHTS),
-    "salient": Option(0.015, "fraction of each block's middle tokens kept exact per KV head: those the prompt's "
-                      "last `observe` queries attend to most (SnapKV-style), in [0, 0.5]"),
-    "observe": Option(32, "last prompt queries whose attention picks the salient tokens"),
-    "salient_pool": Option(33, "tokens around an attended one that count as attended too (odd): a fact "
-                           "spans several tokens, and the ones after an attended token are copied next"),
-}
 
 
 # ----------------------------------------------------------------------------------------------- shared
@@ -473,7 +421,7 @@ def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
 @register_method(
     "shard",
     "Shard: PCA+int keys with RoPE undone, Hadamard+VQ values, exact sinks and window, TurboQuant decode stream",
-    options=OPTIONS,
+    options=ShardConfig,
     build=_build,
 )
 class ShardLayer(CacheLayer):

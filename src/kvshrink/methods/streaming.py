@@ -5,11 +5,13 @@ Everything else is evicted. With left padding the sinks are each row's first rea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.exact_layer import ExactLayer
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 
 
 def sinks_and_window(index: torch.Tensor, pad_len: torch.Tensor | None, sinks: int, window: int,
@@ -33,20 +35,18 @@ def sinks_and_window(index: torch.Tensor, pad_len: torch.Tensor | None, sinks: i
     return torch.where(evicting[:, None], torch.cat([sink_pos, window_pos], dim=1), tail_pos)
 
 
-@register_method(
-    "streaming",
-    "StreamingLLM: keep attention sinks and a recent window, evict the rest",
-    options={
-        "sinks": Option(4, "tokens kept at the start of each row"),
-        "window": Option(1024, "most recent tokens kept"),
-    },
-)
+@dataclass
+class StreamingOptions:
+    sinks: int = option(4, "tokens kept at the start of each row", low=0)
+    window: int = option(1024, "most recent tokens kept", low=1)
+
+
+@register_method("streaming", "StreamingLLM: keep attention sinks and a recent window, evict the rest",
+                 options=StreamingOptions)
 class StreamingLayer(ExactLayer):
-    def __init__(self, spec: LayerSpec, sinks: int = 4, window: int = 1024):
+    def __init__(self, spec: LayerSpec, options: StreamingOptions):
         super().__init__(spec)
-        if sinks < 0 or window < 1:
-            raise ValueError(f"streaming needs sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
-        self.sinks, self.window = sinks, window
+        self.sinks, self.window = options.sinks, options.window
 
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         self.store.append(key, value, ctx.new_index)

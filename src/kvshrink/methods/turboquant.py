@@ -13,11 +13,13 @@ Blocks of ``DEQUANT_BLOCK`` tokens are decoded at a time, one partial each, merg
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.registry import Option, register_method
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import held_bytes
 from kvshrink.codecs.lloyd_max import TURBO_BITS, TurboCode, TurboQuantizer
 from kvshrink.methods.h2o import storage_dtype
@@ -40,28 +42,29 @@ def _slice(c: TurboCode, start: int, stop: int) -> TurboCode:
     return TurboCode(*[None if x is None else x[:, :, start:stop] for x in _fields(c)])
 
 
+@dataclass
+class TurboQuantOptions:
+    key_bits: int = option(4, "bits per key coordinate", choices=TURBO_BITS)
+    value_bits: int = option(4, "bits per value coordinate", choices=TURBO_BITS)
+    qjl: bool = option(False, "add the 1-bit QJL residual sketch to the keys (+1 bit per key coordinate)")
+    residual: int = option(0, "most recent tokens kept exactly (fp16); 0 = quantize every token", low=0)
+
+
 @register_method(
     "turboquant",
     "TurboQuant: norm + randomized Hadamard + Lloyd-Max codes (optional QJL) for every key and value",
-    options={
-        "key_bits": Option(4, "bits per key coordinate", choices=TURBO_BITS),
-        "value_bits": Option(4, "bits per value coordinate", choices=TURBO_BITS),
-        "qjl": Option(False, "add the 1-bit QJL residual sketch to the keys (+1 bit per key coordinate)"),
-        "residual": Option(0, "most recent tokens kept exactly (fp16); 0 = quantize every token"),
-    },
+    options=TurboQuantOptions,
 )
 class TurboQuantLayer(CacheLayer):
     commit_needs_attention = False  # quantizing needs only the keys and values
-    def __init__(self, spec: LayerSpec, key_bits: int = 4, value_bits: int = 4, qjl: bool = False,
-                 residual: int = 0):
+
+    def __init__(self, spec: LayerSpec, options: TurboQuantOptions):
         super().__init__(spec)
-        if residual < 0:
-            raise ValueError(f"turboquant residual must be >= 0, got {residual}")
         d = self.info.head_dim
         # Each layer and each of K/V gets its own rotation (seeded, so it is rebuilt, not stored).
-        self.key_q = TurboQuantizer(d, key_bits, qjl=qjl, seed=2 * self.layer_idx)
-        self.value_q = TurboQuantizer(d, value_bits, qjl=False, seed=2 * self.layer_idx + 1)
-        self.residual = residual
+        self.key_q = TurboQuantizer(d, options.key_bits, qjl=options.qjl, seed=2 * self.layer_idx)
+        self.value_q = TurboQuantizer(d, options.value_bits, qjl=False, seed=2 * self.layer_idx + 1)
+        self.residual = options.residual
         self.tail = ExactTail(storage_dtype(self.info.dtype))
         self.clear()
 
