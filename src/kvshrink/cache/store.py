@@ -15,6 +15,14 @@ from kvshrink.cache.attention import Partial, exact_partial
 # Storage dtypes a method option may name (one spelling for every method).
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
+# Tokens dequantized at once when a method attends over a quantized segment (bounds transient memory).
+DEQUANT_BLOCK = 1024
+
+
+def storage_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Kept tokens are stored in 16 bits (the fp16 reference's precision): fp32 models store fp16."""
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the storages behind ``tensors``, each storage counted once.
@@ -43,8 +51,9 @@ def fp16_kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int
 class ExactStore:
     """Keys and values ``[B, H_kv, n, d]`` kept exactly, with each token's index.
 
-    ``index`` is None while the store holds the contiguous tokens ``0..n-1`` of every row (no
-    bookkeeping needed); once rows diverge (eviction) it becomes an int32 ``[B, n]`` tensor.
+    ``index`` is None while the store holds the contiguous tokens ``start..start+n-1`` of every row
+    (no bookkeeping needed; ``start`` moves when :meth:`pop_front` hands the oldest tokens on, as a
+    recent-token tail does); once rows diverge (eviction) it becomes an int32 ``[B, n]`` tensor.
     ``dtype`` overrides the storage dtype (e.g. fp16 sinks in an fp32 model).
     """
 
@@ -56,6 +65,7 @@ class ExactStore:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.index: torch.Tensor | None = None
+        self.start = 0
 
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
@@ -64,13 +74,13 @@ class ExactStore:
         """``[B, n]`` (or ``[n]`` while contiguous) indices of the stored tokens."""
         if self.index is not None:
             return self.index.long()
-        return torch.arange(len(self), device=self.keys.device)
+        return torch.arange(self.start, self.start + len(self), device=self.keys.device)
 
     def append(self, key: torch.Tensor, value: torch.Tensor, index: torch.Tensor) -> None:
         """Add tokens ``[B, H_kv, q, d]`` whose indices are ``index`` (``[q]`` or ``[B, q]``)."""
         if self.dtype is not None:
             key, value = key.to(self.dtype), value.to(self.dtype)
-        contiguous = index.dim() == 1 and self.index is None and int(index[0]) == len(self)
+        contiguous = index.dim() == 1 and self.index is None and int(index[0]) == self.start + len(self)
         if not contiguous:
             self._materialise_index(key.shape[0])
             idx = index if index.dim() == 2 else index.unsqueeze(0).expand(key.shape[0], -1)
@@ -83,8 +93,20 @@ class ExactStore:
 
     def _materialise_index(self, batch: int) -> None:
         if self.index is None and self.keys is not None:
-            n = len(self)
-            self.index = torch.arange(n, device=self.keys.device, dtype=torch.int32).expand(batch, n).contiguous()
+            index = self.token_index().to(torch.int32)
+            self.index = index.expand(batch, len(self)).contiguous()
+
+    def pop_front(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove and return the ``n`` oldest tokens' keys and values (contiguous stores only)."""
+        if self.index is not None:
+            raise NotImplementedError("pop_front needs a store whose rows hold the same tokens")
+        k, v = self.keys[:, :, :n], self.values[:, :, :n]
+        # clone, not contiguous(): a slice that is already contiguous would keep the old storage alive
+        rest = len(self) - n
+        self.keys = self.keys[:, :, n:].clone() if rest else None
+        self.values = self.values[:, :, n:].clone() if rest else None
+        self.start += n
+        return k, v
 
     def keep(self, positions: torch.Tensor) -> None:
         """Keep, per row, the stored tokens at ``positions`` (``[B, m]`` positions in the store)."""
@@ -124,8 +146,9 @@ class ExactStore:
             return
         if self.index is not None:
             raise NotImplementedError("cannot crop a store whose rows hold different tokens")
-        self.keys = self.keys[:, :, :tokens].contiguous()
-        self.values = self.values[:, :, :tokens].contiguous()
+        keep = max(0, tokens - self.start)
+        self.keys = self.keys[:, :, :keep].contiguous()
+        self.values = self.values[:, :, :keep].contiguous()
 
     def tensors(self) -> list[torch.Tensor | None]:
         return [self.keys, self.values, self.index]

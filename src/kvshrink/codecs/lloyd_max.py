@@ -77,6 +77,21 @@ class TurboCode:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def _fields(self) -> tuple:
+        return (self.norm, self.codes, self.qjl_signs, self.qjl_norm)
+
+    def tokens(self, start: int, stop: int, dim: int = 2) -> "TurboCode":
+        """The codes of vectors ``start..stop-1`` along ``dim`` (a view)."""
+        return TurboCode(*[None if x is None else x.narrow(dim, start, stop - start) for x in self._fields()])
+
+    @staticmethod
+    def cat(a: "TurboCode | None", b: "TurboCode", dim: int = 2) -> "TurboCode":
+        """``a`` then ``b`` along ``dim`` (``a`` may be None: then ``b``)."""
+        if a is None:
+            return b
+        return TurboCode(*[None if x is None else torch.cat([x, y], dim=dim)
+                           for x, y in zip(a._fields(), b._fields())])
+
 
 class TurboQuantizer:
     """Data-oblivious vector quantizer (TurboQuant MSE, optional QJL residual sketch).

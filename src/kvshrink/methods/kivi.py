@@ -8,8 +8,6 @@ quantized, so it holds ``residual`` to ``residual + group - 1`` tokens.
 
 Attention reads the packed form block by block (``block`` tokens dequantized at a time, one partial
 per block, merged by log-sum-exp), never the whole history at once.
-
-Also home of :class:`ExactTail`, the exact recent-token segment KIVI and TurboQuant share.
 """
 
 from __future__ import annotations
@@ -21,59 +19,8 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import held_bytes
+from kvshrink.cache.store import DEQUANT_BLOCK, ExactStore, held_bytes, partial_or_none, storage_dtype
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
-from kvshrink.methods.h2o import storage_dtype
-
-# Tokens dequantized at once when attending over a packed segment.
-DEQUANT_BLOCK = 1024
-
-
-class ExactTail:
-    """The newest tokens ``[B, H_kv, n, d]`` kept exactly; their indices are ``start .. start+n-1``."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.clear()
-
-    def clear(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.start = 0
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        key, value = key.to(self.dtype), value.to(self.dtype)
-        if self.keys is None:
-            self.keys, self.values = key.contiguous(), value.contiguous()
-        else:
-            self.keys = torch.cat([self.keys, key], dim=2)
-            self.values = torch.cat([self.values, value], dim=2)
-
-    def pop_oldest(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Remove and return the ``n`` oldest tokens."""
-        k, v = self.keys[:, :, :n], self.values[:, :, :n]
-        # clone, not contiguous(): a slice that is already contiguous would keep the old storage alive
-        rest = len(self) - n
-        self.keys = self.keys[:, :, n:].clone() if rest else None
-        self.values = self.values[:, :, n:].clone() if rest else None
-        self.start += n
-        return k, v
-
-    def partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
-        if not len(self):
-            return []
-        index = torch.arange(self.start, self.start + len(self), device=self.keys.device)
-        return [exact_partial(query, self.keys, self.values, ctx.scaling, key_index=index, pad_len=ctx.pad_len)]
-
-    def tensors(self) -> list[torch.Tensor | None]:
-        return [self.keys, self.values]
-
-    def nbytes(self) -> int:
-        return held_bytes(self.tensors())
-
 
 def fill_padding(x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """A copy of ``x [B, H, q, d]`` (this step's tokens) whose left-padding tokens repeat the row's first
@@ -127,11 +74,11 @@ class KiviLayer(CacheLayer):
                 "not a multiple of it (choose a group that divides the head size)"
             )
         self.bits, self.group, self.residual = options.bits, group, options.residual
-        self.tail = ExactTail(storage_dtype(self.info.dtype))
+        self.tail = ExactStore(storage_dtype(self.info.dtype))
         self.clear()
 
     def clear(self) -> None:
-        self.tail.clear()
+        self.tail.reset()
         self.key_codes: GroupCode | None = None  # scale [B, H, d, groups]: per channel, per token group
         self.value_codes: GroupCode | None = None  # scale [B, H, tokens, d // group]: per token
         self.quantized = 0
@@ -144,7 +91,7 @@ class KiviLayer(CacheLayer):
             key, value = self._dequantize(start, stop)
             index = torch.arange(start, stop, device=key.device)
             parts.append(exact_partial(query, key, value, ctx.scaling, key_index=index, pad_len=ctx.pad_len))
-        return parts + self.tail.partials(query, ctx)
+        return parts + partial_or_none(self.tail, query, ctx.scaling, ctx.pad_len)
 
     def _dequantize(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.group
@@ -153,10 +100,10 @@ class KiviLayer(CacheLayer):
         return keys, values
 
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
-        self.tail.append(fill_padding(key, ctx), fill_padding(value, ctx))
+        self.tail.append(fill_padding(key, ctx), fill_padding(value, ctx), ctx.new_index)
         flush = (len(self.tail) - self.residual) // self.group * self.group
         if flush > 0:
-            k, v = self.tail.pop_oldest(flush)
+            k, v = self.tail.pop_front(flush)
             self.key_codes = _cat_codes(self.key_codes, quantize_groups(k.transpose(-1, -2), self.bits, self.group), -1)
             self.value_codes = _cat_codes(self.value_codes, quantize_groups(v, self.bits, self.group), 2)
             self.quantized += flush

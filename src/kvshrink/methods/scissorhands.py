@@ -19,7 +19,7 @@ import torch
 
 from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.methods.h2o import ScoredEvictionLayer, check_count_option, resolve_counts, select_per_row
+from kvshrink.cache.eviction import ScoredEvictionLayer, check_count_option, resolve_counts, select_per_row
 
 MAX_HISTORY = 62
 

@@ -20,26 +20,8 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import held_bytes
+from kvshrink.cache.store import DEQUANT_BLOCK, ExactStore, held_bytes, partial_or_none, storage_dtype
 from kvshrink.codecs.lloyd_max import TURBO_BITS, TurboCode, TurboQuantizer
-from kvshrink.methods.h2o import storage_dtype
-from kvshrink.methods.kivi import DEQUANT_BLOCK, ExactTail
-
-
-def _cat(a: TurboCode | None, b: TurboCode) -> TurboCode:
-    """Concatenate codes along the token dim (dim 2 of ``[B, H, n, ...]``)."""
-    if a is None:
-        return b
-    join = [None if x is None else torch.cat([x, y], dim=2) for x, y in zip(_fields(a), _fields(b))]
-    return TurboCode(*join)
-
-
-def _fields(c: TurboCode) -> tuple:
-    return (c.norm, c.codes, c.qjl_signs, c.qjl_norm)
-
-
-def _slice(c: TurboCode, start: int, stop: int) -> TurboCode:
-    return TurboCode(*[None if x is None else x[:, :, start:stop] for x in _fields(c)])
 
 
 @dataclass
@@ -65,11 +47,11 @@ class TurboQuantLayer(CacheLayer):
         self.key_q = TurboQuantizer(d, options.key_bits, qjl=options.qjl, seed=2 * self.layer_idx)
         self.value_q = TurboQuantizer(d, options.value_bits, qjl=False, seed=2 * self.layer_idx + 1)
         self.residual = options.residual
-        self.tail = ExactTail(storage_dtype(self.info.dtype))
+        self.tail = ExactStore(storage_dtype(self.info.dtype))
         self.clear()
 
     def clear(self) -> None:
-        self.tail.clear()
+        self.tail.reset()
         self.keys: TurboCode | None = None
         self.values: TurboCode | None = None
         self.quantized = 0
@@ -80,20 +62,20 @@ class TurboQuantLayer(CacheLayer):
             rotated_q = self.key_q.rotation.rotate(query.float())
             for start in range(0, self.quantized, DEQUANT_BLOCK):
                 stop = min(self.quantized, start + DEQUANT_BLOCK)
-                key = self.key_q.decode_rotated(_slice(self.keys, start, stop))
-                value = self.value_q.decode_rotated(_slice(self.values, start, stop))
+                key = self.key_q.decode_rotated(self.keys.tokens(start, stop))
+                value = self.value_q.decode_rotated(self.values.tokens(start, stop))
                 index = torch.arange(start, stop, device=key.device)
                 part = exact_partial(rotated_q, key, value, ctx.scaling, key_index=index, pad_len=ctx.pad_len)
                 parts.append(Partial(self.value_q.rotation.unrotate(part.out), part.lse))
-        return parts + self.tail.partials(query, ctx)
+        return parts + partial_or_none(self.tail, query, ctx.scaling, ctx.pad_len)
 
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
-        self.tail.append(key, value)
+        self.tail.append(key, value, ctx.new_index)
         flush = len(self.tail) - self.residual
         if flush > 0:
-            k, v = self.tail.pop_oldest(flush)
-            self.keys = _cat(self.keys, self.key_q.encode(k))
-            self.values = _cat(self.values, self.value_q.encode(v))
+            k, v = self.tail.pop_front(flush)
+            self.keys = TurboCode.cat(self.keys, self.key_q.encode(k))
+            self.values = TurboCode.cat(self.values, self.value_q.encode(v))
             self.quantized += flush
 
     def _codes(self) -> list[torch.Tensor]:
