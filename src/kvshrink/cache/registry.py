@@ -63,7 +63,9 @@ _METHODS: dict[str, MethodInfo] = {}
 
 # Options every kvshrink cache accepts (not passed to the layers).
 COMMON_OPTIONS = {
-    "multi_turn": Option(False, "allow a new multi-token input after decoding (continuing the same conversation)"),
+    # kept so old callers do not break: a cache now takes any input that begins with the tokens it holds
+    # (prefix reuse, a conversation's next turn) and refuses any other, so the flag changes nothing
+    "multi_turn": Option(False, "no-op, kept for compatibility: any input that continues the held tokens is taken"),
 }
 
 
