@@ -33,6 +33,7 @@ class ModelInfo:
     head_dim: int
     max_positions: int
     dtype: torch.dtype
+    rope_type: str = "default"
     rotary: Any = field(repr=False, compare=False, default=None)  # the model's rotary embedding module
 
     @property
@@ -73,9 +74,18 @@ class StepContext:
         return (idx.long() - self.offset[:, None]).clamp(min=0)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, n, d]`` of the model's RoPE at ``positions [B, n]``."""
-        probe = torch.empty(0, device=positions.device, dtype=self._dtype)
-        return self._rotary(probe, positions)
+        """float32 ``(cos, sin)`` ``[B, n, d]`` of the model's RoPE rotation at ``positions [B, n]``.
+
+        The pure rotation, from the rotary module's own frequencies: transformers folds
+        ``attention_scaling`` (YaRN, longrope) into the cos/sin it returns, so undoing and redoing RoPE
+        through the module would scale keys by its square. Undo and redo with this rotation are exact
+        inverses whatever the scaling (the keys a method sees "before RoPE" carry the factor), and float32
+        whatever the model's dtype. Only rope types whose frequencies never change are accepted by a
+        method that undoes RoPE (``kvshrink.models.require_exact_rope``)."""
+        inv_freq = self._rotary.inv_freq.to(device=positions.device, dtype=torch.float32)
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
 
 
 class LayerHandle:

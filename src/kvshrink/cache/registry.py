@@ -57,6 +57,7 @@ class MethodInfo:
     description: str
     options: dict[str, Option]
     build: Callable[..., Any] = field(repr=False)  # build(model, info, **options) -> cache
+    undoes_rope: bool = False  # the method re-rotates keys: make_cache refuses RoPE types it cannot undo exactly
 
 
 _METHODS: dict[str, MethodInfo] = {}
@@ -70,7 +71,7 @@ COMMON_OPTIONS = {
 
 
 def register_method(name: str, description: str, options: dict[str, Option] | None = None,
-                    build: Callable[..., Any] | None = None):
+                    build: Callable[..., Any] | None = None, undoes_rope: bool = False):
     """Class decorator registering a ``CacheLayer`` subclass as method ``name``.
 
     The layer class is constructed as ``cls(spec, **options)`` for each decoder layer. A method that
@@ -84,7 +85,7 @@ def register_method(name: str, description: str, options: dict[str, Option] | No
         builder = build or _layer_builder(name, cls)
         if isinstance(cls, type):
             cls.method_name = name
-        _METHODS[name] = MethodInfo(name, description, opts, builder)
+        _METHODS[name] = MethodInfo(name, description, opts, builder, undoes_rope)
         return cls
 
     return decorate
@@ -150,11 +151,13 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     Raises ValueError for an unknown method or option (listing the valid ones) and
     NotImplementedError for a model kvshrink cannot handle.
     """
-    from kvshrink.models import describe_model
+    from kvshrink.models import describe_model, require_exact_rope
 
     info_m = get_method(method)
     resolved = resolve_options(info_m, options)
     info = describe_model(model)
+    if info_m.undoes_rope:
+        require_exact_rope(model, info, method)
     return info_m.build(model, info, **resolved)
 
 
