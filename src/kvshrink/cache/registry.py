@@ -132,18 +132,21 @@ class MethodInfo:
     build: Callable[..., Any] = field(repr=False)  # build(model, info, **options) -> cache
     config: type | None = field(default=None, repr=False)  # the options dataclass, if the method has one
     module: str = ""  # where the method is defined (kvshrink's own methods: kvshrink.methods.*)
+    undoes_rope: bool = False  # the method re-rotates keys: make_cache refuses RoPE types it cannot undo exactly
 
 
 _METHODS: dict[str, MethodInfo] = {}
 
 # Options every kvshrink cache accepts (not passed to the layers).
 COMMON_OPTIONS = {
-    "multi_turn": Option(False, "allow a new multi-token input after decoding (continuing the same conversation)"),
+    # kept so old callers do not break: a cache now takes any input that begins with the tokens it holds
+    # (prefix reuse, a conversation's next turn) and refuses any other, so the flag changes nothing
+    "multi_turn": Option(False, "no-op, kept for compatibility: any input that continues the held tokens is taken"),
 }
 
 
 def register_method(name: str, description: str, options: type | dict[str, Option] | None = None,
-                    build: Callable[..., Any] | None = None):
+                    build: Callable[..., Any] | None = None, undoes_rope: bool = False):
     """Class decorator registering a ``CacheLayer`` subclass as method ``name``.
 
     ``options`` is the method's options dataclass (fields made with :func:`option`); each decoder
@@ -162,7 +165,8 @@ def register_method(name: str, description: str, options: type | dict[str, Optio
         builder = build or _layer_builder(name, cls, config)
         if isinstance(cls, type):
             cls.method_name = name
-        _METHODS[name] = MethodInfo(name, description, opts, builder, config, getattr(cls, "__module__", ""))
+        _METHODS[name] = MethodInfo(name, description, opts, builder, config, getattr(cls, "__module__", ""),
+                                    undoes_rope)
         return cls
 
     return decorate
@@ -266,11 +270,13 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     Raises ValueError for an unknown method or option (listing the valid ones) and
     NotImplementedError for a model kvshrink cannot handle.
     """
-    from kvshrink.models import describe_model
+    from kvshrink.models import describe_model, require_exact_rope
 
     info_m = get_method(method)
     resolved = resolve_options(info_m, options)
     info = describe_model(model)
+    if info_m.undoes_rope:
+        require_exact_rope(model, info, method)
     return info_m.build(model, info, **resolved)
 
 

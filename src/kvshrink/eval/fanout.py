@@ -47,6 +47,11 @@ class FanoutCache(Cache):
         handle = FanoutHandle(key_states, value_states, results, self.tolerance)
         return handle, handle
 
+    @property
+    def kvshrink_members(self) -> list:
+        """The caches this one fills (kvshrink's hooks treat each as used by the call)."""
+        return self.caches
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.caches[0].get_seq_length(layer_idx)
 

@@ -423,6 +423,7 @@ def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
     "Shard: PCA+int keys with RoPE undone, Hadamard+VQ values, exact sinks and window, TurboQuant decode stream",
     options=ShardConfig,
     build=_build,
+    undoes_rope=True,
 )
 class ShardLayer(CacheLayer):
     def __init__(self, spec: LayerSpec, shared: ShardShared):
