@@ -341,6 +341,10 @@ class KVShrinkCache(CacheAccounting, Cache):
             raise ValueError(f"kvshrink: this cache holds a batch of {self._batch} rows, got {b}")
         if torch.isnan(key_states).any():
             raise ValueError("kvshrink: NaN in the key states of layer 0; check the model inputs")
+        total, limit = self.get_seq_length() + q, self.info.max_positions
+        if limit and total > limit:
+            raise ValueError(f"kvshrink: {total} tokens (prompt and answer so far) exceed the model's {limit} positions "
+                             "(max_position_embeddings); shorten the prompt or max_new_tokens")
         self._record_ids(q)
         self._batch = b
         self._ctx = None

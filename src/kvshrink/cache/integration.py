@@ -123,6 +123,8 @@ def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict, signature
         raise ValueError("kvshrink: use_cache=False with a kvshrink cache; a kvshrink cache only works with "
                          "use_cache=True (the default). Drop past_key_values to run without a cache.")
     ids = bound.get("input_ids") if bound.get("inputs_embeds") is None else None
+    if ids is not None and ids.shape[-1] == 0:
+        raise ValueError("kvshrink: empty input (0 tokens); give at least one token")
     for cache in caches:
         cache.expect_input_ids(ids)
     _use_attention(model, ATTENTION_NAME)

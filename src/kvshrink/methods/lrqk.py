@@ -29,7 +29,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import STORAGE_DTYPES, held_bytes
+from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -45,6 +45,7 @@ FACTOR_HEADS = ("kv", "query")
 _FACTOR_BLOCK = 256
 # Index given to slots that are resident but not selected: later than any query, so masked.
 _NEVER = 1 << 62
+
 
 @dataclass
 class LRQKOptions:
@@ -70,7 +71,7 @@ class LRQKOptions:
     slot_dtype: str = option("auto", "dtype of the K/V rows in fast memory (slots, window): auto (the model's "
                              "dtype if 16-bit, else float16, as an fp16 cache holds them), model, or "
                              "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
-                             choices=("auto", "model", *STORAGE_DTYPES))
+                             choices=EXACT_DTYPE_CHOICES)
     selection: str = option("proxy", "proxy (LRQK) or exact (diagnostic: exact scores read from the slow tier, "
                             "the selection LRQK approximates)", choices=("proxy", "exact"))
     fit_resident: bool = option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)")
@@ -172,7 +173,7 @@ class LRQKLayer(CacheLayer):
         b, hkv, _, d = key.shape
         self.slow = make_slow_tier(self.slow_kind, b * hkv, d, key.dtype, self.disk_folder)
         device = self._fast_device(key)
-        dtype = _slot_dtype(self.slot_dtype_option, key.dtype)
+        dtype = exact_storage_dtype(self.slot_dtype_option, key.dtype)
         self.slots = SlotTier(b * hkv, self.top_k + self.slot_extra, d, dtype, device, self.policy)
 
     # ---- attention -----------------------------------------------------------------------------------
@@ -372,7 +373,7 @@ class LRQKLayer(CacheLayer):
             self._accumulate_grams(self._query, key, ctx)
             self._refit()
         else:
-            self._append_factors(self._k_hat.to(self.factor_dtype).unsqueeze(2))
+            self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
         self._query = None
         self._k_hat = None
 
@@ -418,7 +419,7 @@ class LRQKLayer(CacheLayer):
             k, _ = self.slow.read_range(start, stop)
             k = self._factor_keys(k.reshape(b, hkv, stop - start, -1).to(self.slots.keys.device).float())
             factors = key_factors(k.reshape(b * f, stop - start, -1), key_map).reshape(b, f, stop - start, -1)
-            self._append_factors(factors.to(self.factor_dtype))
+            self._append_factors(to_storage(factors, self.factor_dtype))
 
     def _append_factors(self, factors: torch.Tensor) -> None:
         """Append ``[B, F, n, r]`` key factors, growing the buffer in blocks."""
@@ -470,12 +471,6 @@ class LRQKLayer(CacheLayer):
         out["fast_tier_bytes"] = float(self.nbytes())
         out["slow_tier_bytes"] = float(self.slow_tier_bytes())
         return out
-
-
-def _slot_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
-    if option == "model" or (option == "auto" and model_dtype.itemsize == 2):
-        return model_dtype
-    return torch.float16 if option == "auto" else STORAGE_DTYPES[option]
 
 
 def _check_writable(folder: str) -> None:
