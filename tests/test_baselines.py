@@ -114,7 +114,11 @@ def test_h2o_matches_reference_accumulation_prefill_then_decode():
                 score[alive] += torch.softmax(s, -1).mean(0)
                 alive = _reference_evict(alive, score, budget, recent)
             assert kept[r][h] == set(alive), (r, h)
-    # the stored scores are the accumulated attention of the kept tokens (fp16 keys: loose tolerance)
+            # the stored scores are the attention each kept token accumulated since it entered
+            row = r * hkv + h
+            index = layer.store.token_index()
+            index = index[row] if index.dim() == 2 else index
+            torch.testing.assert_close(layer.score[row].double(), score[index], atol=1e-5, rtol=1e-4)
     assert layer.score.shape == (b * hkv, budget)
 
 

@@ -24,6 +24,27 @@ MILD = [
 ]
 
 
+def kivi_format_ratio(tokens: int, bits: int = 4, group: int = 32, residual: int = 128) -> float:
+    """fp16 bytes / KIVI bytes per (layer, head, channel): whole groups of ``group`` tokens beyond the
+    residual hold ``bits``-bit codes plus an fp16 step and zero per group (keys per channel, values per
+    ``group`` channels: the same bytes), the rest fp16."""
+    quantized = max(0, tokens - residual) // group * group
+    held = quantized * (bits / 8 + 4 / group) + (tokens - quantized) * 2
+    return tokens * 2 / held
+
+
+def turboquant_format_ratio(bits: int = 4, head_dim: int = 64) -> float:
+    """fp16 bytes / TurboQuant bytes per token and head: ``bits``-bit codes plus an fp16 norm, K and V."""
+    return 2 * head_dim * 2 / (2 * (head_dim * bits / 8 + 2))
+
+
+# What each format must reach (every byte counted: the bound would catch unpacked codes or fp32 metadata)
+FORMAT_RATIO = {
+    "kivi": kivi_format_ratio,
+    "turboquant": lambda tokens: turboquant_format_ratio(),
+}
+
+
 @pytest.fixture(scope="module")
 def needle_input(real_model):
     _, tok = real_model
@@ -40,4 +61,7 @@ def test_baseline_answers_the_needle(real_model, needle_input, method, options):
     answer = tok.decode(out[0, needle_input["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "4817293" in answer, f"{method} {options}: {answer!r}"
     assert cache.compression_ratio() > 1.05, cache.summary()
+    if method in FORMAT_RATIO:
+        expected = FORMAT_RATIO[method](cache.get_seq_length())
+        assert cache.compression_ratio() == pytest.approx(expected, rel=0.03), (cache.summary(), expected)
     assert sum(cache.breakdown().values()) == cache.nbytes()
