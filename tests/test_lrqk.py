@@ -267,13 +267,13 @@ def test_proxy_top_k_recovers_planted_needle_keys():
     """Keys planted along the direction the decode queries look at carry most of the attention: the
     low-rank proxy's top-k must find them (a random top-k of 4 among ~60 tokens would cover ~7%)."""
     from kvshrink.cache.base import LayerSpec, ModelInfo, StepContext
-    from kvshrink.methods.lrqk import LRQKLayer
+    from kvshrink.methods.lrqk import LRQKLayer, LRQKOptions
 
     g = torch.Generator().manual_seed(0)
     b, hq, hkv, d, t, steps = 1, 4, 2, 16, 64, 6
     needles = {0: [7, 23, 41], 1: [12, 30, 50]}
-    layer = LRQKLayer(LayerSpec(0, ModelInfo("llama", 1, hq, hkv, d, 4096, torch.float32)), rank=4, top_k=4,
-                      window=4, measure_recall=True)
+    layer = LRQKLayer(LayerSpec(0, ModelInfo("llama", 1, hq, hkv, d, 4096, torch.float32)),
+                      LRQKOptions(rank=4, top_k=4, window=4, measure_recall=True))
     u = torch.zeros(d)
     u[3] = 1.0
     k = torch.randn(b, hkv, t + steps, d, generator=g) * 0.5
