@@ -421,6 +421,8 @@ def _cat_codes(a: TurboCode, b: TurboCode) -> TurboCode:
 def _stacked_codes(codes: list[PCACode]) -> torch.Tensor:
     """The packed codes of a block's PCA scopes side by side, ``[B, scopes, n, bytes]`` (narrower rows
     zero-padded: their slots never read the padding)."""
+    if len(codes) == 1:
+        return codes[0].codes.unsqueeze(-3)
     width = max(code.codes.shape[-1] for code in codes)
     rows = [torch.nn.functional.pad(code.codes, (0, width - code.codes.shape[-1])) for code in codes]
     return torch.stack(rows, dim=-3)
