@@ -70,6 +70,9 @@ def test_fused_path_with_batch_padding_stream_and_several_blocks():
     decode(model, cache, 3, mask)
     assert cache.layers[0].stream.n == 3
     assert_fast_equals_reference(cache, 2)
+    # the slot plans the fast path keeps per block are counted with the cache's bytes
+    layer = cache.layers[0]
+    assert layer.breakdown()["middle_slot_plans"] == sum(block._slot_plan.nbytes() for block in layer.middle) > 0
 
 
 def test_fast_and_reference_caches_decode_the_same_tokens():

@@ -460,6 +460,10 @@ class SlotPlan:
     rows: int  # table rows in all
     columns: torch.Tensor | None  # column order of the decoded rows
 
+    def nbytes(self) -> int:
+        arrays = [*self.slots, self.jobs, self.levels]
+        return sum(a.nbytes for a in arrays) + (0 if self.columns is None else self.columns.numel() * 8)
+
 
 def slot_plan(codes: list[PCACode], columns: torch.Tensor | None = None, slot_bits: int = 8) -> SlotPlan:
     """The `SlotPlan` of ``codes`` (decoded columns in ``columns`` order). Runs whose width divides

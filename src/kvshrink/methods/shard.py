@@ -835,6 +835,9 @@ class ShardLayer(CacheLayer):
             for kind, tensors in block.parts().items():
                 out[f"middle_{kind}"] += held_bytes(tensors)
         out["stream"] = held_bytes(self.stream.tensors())
+        # the fast kernel's per-block slot plans (integers, built on first decode step)
+        plans = [getattr(block, "_slot_plan", None) for block in self.middle]
+        out["middle_slot_plans"] = sum(plan.nbytes() for plan in plans if plan is not None)
         return out
 
     def nbytes(self) -> int:
