@@ -29,7 +29,7 @@ from .bitpack import byte_codes, lookup_packed, pack_bits, unpack_bits
 
 __all__ = [
     "COEFF_LEVELS", "unit_levels", "PCAFit", "fit_pca", "group_sizes", "group_variances", "allocate_bits", "modelled_error",
-    "PCA_BITS", "gaussian_uniform_step", "PCACode", "TableDecoder", "encode_pca", "quantize_basis",
+    "PCA_BITS", "gaussian_uniform_step", "PCACode", "TableDecoder", "SlotPlan", "slot_plan", "scaled_bases", "encode_pca", "quantize_basis",
 ]
 
 PCA_BITS = (0, 2, 4, 6, 8)
@@ -441,6 +441,71 @@ def _byte_lookup_table(bits: int, levels: str, rows: torch.Tensor, out: torch.Te
         rows = torch.cat([rows, rows.new_zeros(*rows.shape[:-2], pad, rows.shape[-1])], dim=-2)
     levels_of_byte = _byte_level_table(bits, levels, str(rows.device)).to(rows.dtype)   # [256, per]
     return torch.matmul(levels_of_byte, rows.reshape(*rows.shape[:-2], n_bytes, per, rows.shape[-1]), out=out)
+
+
+@dataclass
+class SlotPlan:
+    """How to decode the rows of several `PCACode` (one per scope, same rows) slot by slot: row ``t`` of
+    scope ``s`` is ``mean[s] + sum_k tables[row[s, k] + value_k(t)]``, where slot ``k`` is ``bits[s, k]``
+    bits at bit ``shift[s, k]`` of byte ``byte[s, k]`` of the row's packed codes: a whole byte of a
+    byte-aligned run (its 256 table rows are the levels of its codes times their basis rows, as in
+    `TableDecoder`), or one code of a run that straddles bytes (``2**bits`` rows).
+
+    Depends only on the codes' run layout (a few hundred integers); the tables themselves are refilled
+    from the bases when needed (`fill_slot_tables`), so nothing large stays resident."""
+
+    slots: tuple  # (byte, shift, bits, row) int32 numpy [S, max_slots], then the slot counts [S]
+    jobs: object  # int32 numpy [J, 7]: (scope, component, components, bits, codes per entry, row, level offset)
+    levels: object  # float32 numpy: the unit levels of every width used, concatenated
+    rows: int  # table rows in all
+    columns: torch.Tensor | None  # column order of the decoded rows
+
+    def nbytes(self) -> int:
+        arrays = [*self.slots, self.jobs, self.levels]
+        return sum(a.nbytes for a in arrays) + (0 if self.columns is None else self.columns.numel() * 8)
+
+
+def slot_plan(codes: list[PCACode], columns: torch.Tensor | None = None, slot_bits: int = 8) -> SlotPlan:
+    """The `SlotPlan` of ``codes`` (decoded columns in ``columns`` order). Runs whose width divides
+    ``slot_bits`` (4 or 8) read ``slot_bits`` bits per slot (several codes: ``2**slot_bits`` table rows);
+    the others one code per slot."""
+    import numpy as np
+
+    if slot_bits not in (4, 8):
+        raise ValueError(f"slot_bits must be 4 or 8, got {slot_bits}")
+    levels, level_at = [], {}
+    slots, jobs, row = [[] for _ in codes], [], 0
+    for i, code in enumerate(codes):
+        for bits, a, b, byte_a, _ in code.runs:
+            if bits not in level_at:
+                level_at[bits] = sum(len(x) for x in levels)
+                levels.append(unit_levels(bits, code.levels).tolist())
+            per = slot_bits // bits if slot_bits % bits == 0 else 1
+            for first in range(a, b, per):
+                offset = (first - a) * bits
+                slots[i].append((byte_a + offset // 8, offset % 8, bits * per, row))
+                jobs.append((i, first, min(per, b - first), bits, per, row, level_at[bits]))
+                row += 1 << (bits * per)
+    count = max(1, max(len(s) for s in slots))
+    table = np.zeros((4, len(codes), count), np.int32)
+    for i, code_slots in enumerate(slots):
+        if code_slots:
+            table[:, i, :len(code_slots)] = np.array(code_slots, np.int32).T
+    counts = np.array([len(s) for s in slots], np.int32)
+    return SlotPlan(tuple(np.ascontiguousarray(t) for t in table) + (counts,),
+                    np.array(jobs, np.int32).reshape(-1, 7), np.array([v for x in levels for v in x], np.float32),
+                    row, columns)
+
+
+def scaled_bases(codes: list[PCACode], columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(basis rows times their steps [C, r_max, D], means [C, D])`` of codes of any ranks (zero
+    rows past a code's rank), columns in ``columns`` order, column scale multiplied back."""
+    if all(c.rank == codes[0].rank and (c.column_scale is None) == (codes[0].column_scale is None) for c in codes):
+        return _scaled_bases(codes, torch.float32, columns)
+    pairs = [code._scaled_basis(torch.float32, columns) for code in codes]
+    rank = max(p[0].shape[0] for p in pairs)
+    scaled = torch.stack([torch.nn.functional.pad(p[0], (0, 0, 0, rank - p[0].shape[0])) for p in pairs])
+    return scaled, torch.stack([p[1] for p in pairs])
 
 
 def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels: str,

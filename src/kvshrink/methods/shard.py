@@ -57,6 +57,7 @@ spends that layer's budget by the per-layer DP.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -65,11 +66,13 @@ from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungr
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES, exact_storage_dtype, held_bytes, to_storage
+from kvshrink.codecs import fused
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
 from kvshrink.codecs.pca import (
-    COEFF_LEVELS, PCA_BITS, PCACode, TableDecoder, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances, unit_levels,
+    COEFF_LEVELS, PCA_BITS, PCACode, TableDecoder, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances, scaled_bases,
+    SlotPlan, slot_plan, unit_levels,
 )
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, rope_phases, undo_rope
 from kvshrink.codecs.vq import assign_codes, check_codebook_size, fit_codebook, gaussian_codebook
@@ -79,11 +82,15 @@ V_FITS = ("gaussian", "kmeans")
 KEY_ALLOCS = ("layer", "global")
 PCA_SCOPES = ("layer", "head")
 KEY_WEIGHTS = ("none", "query")
+KERNELS = ("fast", "reference")
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
 _MIN_QUERY_WEIGHT = 1e-2
 
 # Score elements per block of middle tokens (bounds the transient memory of prefill-with-past).
 _SCORE_ELEMENTS = 1 << 22
+# Most grouped query rows (query heads per KV head x new tokens) the fused kernel takes: decoding, not
+# prefill-with-past, whose many rows the reference path blocks to bound memory.
+_FAST_ROWS = 64
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -129,6 +136,9 @@ class ShardConfig:
     observe: int = option(32, "last prompt queries whose attention picks the salient tokens", low=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
+    kernel: str = option("reference", "middle-segment decode: 'reference' (torch ops) or 'fast' (fused numba "
+                         "kernel on CPU, 3-11% faster after a one-off compile; needs kvshrink[fast])",
+                         choices=KERNELS)
 
     def __post_init__(self):
         try:
@@ -172,6 +182,12 @@ class ShardShared:
         for bits in PCA_BITS[1:]:
             unit_levels(bits, cfg.k_levels)
         self.num_layers = num_layers
+        self.fast = cfg.kernel == "fast"
+        if self.fast:
+            if not fused.available():
+                raise ImportError(f"shard: kernel='fast' needs numba ({fused.unavailable_reason()}); install it "
+                                  "with: pip install 'kvshrink[fast]' (or use kernel='reference')")
+            fused.warm_up()
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
 
@@ -182,6 +198,14 @@ class ShardShared:
     def phases(self, ctx: StepContext, start: int, n: int) -> torch.Tensor:
         """RoPE rotations ``[B, 1, n, d/2]`` (complex) of token indices ``start .. start+n-1``, memoised."""
         return self._memo(ctx, ("phases", start, n), lambda: rope_phases(*self.rope(ctx, start, n)).unsqueeze(1))
+
+    def pair_rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, n, d/2]`` of each RoPE pair (the fused kernel's layout), memoised."""
+        def make():
+            phases = self.phases(ctx, start, n)[:, 0]
+            return phases.real.contiguous(), phases.imag.contiguous()
+
+        return self._memo(ctx, ("pair_rope", start, n), make)
 
     def _cos_sin(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.arange(start, start + n, device=ctx.offset.device)
@@ -342,6 +366,16 @@ def _cat_codes(a: TurboCode, b: TurboCode) -> TurboCode:
 
     return TurboCode(norm=cat(a.norm, b.norm), codes=cat(a.codes, b.codes),
                      qjl_signs=cat(a.qjl_signs, b.qjl_signs), qjl_norm=cat(a.qjl_norm, b.qjl_norm))
+
+
+def _stacked_codes(codes: list[PCACode]) -> torch.Tensor:
+    """The packed codes of a block's PCA scopes side by side, ``[B, scopes, n, bytes]`` (narrower rows
+    zero-padded: their slots never read the padding)."""
+    if len(codes) == 1:
+        return codes[0].codes.unsqueeze(-3)
+    width = max(code.codes.shape[-1] for code in codes)
+    rows = [torch.nn.functional.pad(code.codes, (0, width - code.codes.shape[-1])) for code in codes]
+    return torch.stack(rows, dim=-3)
 
 
 def _softmax_part(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -515,14 +549,60 @@ class ShardLayer(CacheLayer):
             src = probs.unsqueeze(-1).expand(b, h, r, n, n_groups).reshape(b, h, r, n * n_groups)
             bins = torch.zeros(b, h, r, n_groups * k_entries, device=probs.device, dtype=probs.dtype)
             bins.scatter_add_(-1, flat, src)
-            rotated = (bins.reshape(b, h, r, n_groups, k_entries) @ codebook).reshape(b, h, r, self.d)
-        else:
-            values = codebook[idx].reshape(b, h, n, self.d)
-            rotated = probs @ values
-        rotated = rotated * block.v_scale.float()[None, :, None, :]
-        return self.shared.rotation.unrotate(rotated)
+            return self.values_from_bins(block, bins)
+        values = codebook[idx].reshape(b, h, n, self.d)
+        return self.unscale_values(block, probs @ values)
+
+    def values_from_bins(self, block: MiddleBlock, bins: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, H_kv, R, d]`` from the probabilities summed per value group and codeword
+        ``bins [B, H_kv, R, groups * entries]``: one product with the codebook."""
+        k_entries = block.v_codebook.shape[0]
+        b, h, r, _ = bins.shape
+        rotated = bins.reshape(b, h, r, -1, k_entries) @ block.v_codebook.float()
+        return self.unscale_values(block, rotated.reshape(b, h, r, self.d))
+
+    def unscale_values(self, block: MiddleBlock, rotated: torch.Tensor) -> torch.Tensor:
+        """Rotated, scaled value sums ``[B, H_kv, R, d]`` -> in the model's value space."""
+        return self.shared.rotation.unrotate(rotated * block.v_scale.float()[None, :, None, :])
 
     def middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        if self.use_fast_kernel(query):
+            return [self.fused_middle_partial(block, query, ctx)]
+        return self.reference_middle_partials(block, query, ctx)
+
+    def use_fast_kernel(self, query: torch.Tensor) -> bool:
+        rows = query.shape[1] // self.h_kv * query.shape[2]
+        return self.shared.fast and query.device.type == "cpu" and rows <= _FAST_ROWS
+
+    def fused_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
+        """The block's partial from `codecs.fused.code_attention`: one pass over its packed key codes
+        (keys summed from lookup tables, RoPE, scores) and one over its value codes (softmax
+        probabilities summed per codeword), no key or value materialised; same result as the reference
+        path within float32 rounding."""
+        pairs = pair_order(self.d, device=query.device)
+        qg = group_queries(query.float(), self.h_kv)[..., pairs].contiguous()  # keys come in pair order
+        plan = self.slot_plan(block)
+        scaled, mean = scaled_bases(block.keys, plan.columns)
+        cos, sin = self.shared.pair_rope(ctx, block.start, block.n)
+        hidden = None if block.salient is None else block.salient.index
+        k_entries, group = block.v_codebook.shape
+        bins, lse = fused.code_attention(
+            _stacked_codes(block.keys), plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden,
+            block.v_codes, int(math.log2(k_entries)), self.d // group)
+        out = self.values_from_bins(block, bins)
+        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+
+    def slot_plan(self, block: MiddleBlock) -> SlotPlan:
+        """The block's `SlotPlan` (key codes' run layout as integers, a few hundred bytes), built on first
+        use and kept on the block outside its dataclass fields: rebuilt after a block is copied or loaded."""
+        plan = getattr(block, "_slot_plan", None)
+        if plan is None:
+            pairs = pair_order(self.d, device=block.v_codes.device)
+            plan = slot_plan(block.keys, columns=torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))]))
+            block._slot_plan = plan
+        return plan
+
+    def reference_middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         qg = group_queries(query.float(), self.h_kv)  # [B, H_kv, R, d]
         qg = qg[..., pair_order(self.d, device=qg.device)]  # the keys come in RoPE pair order
         b, _, r, _ = qg.shape
@@ -706,6 +786,9 @@ class ShardLayer(CacheLayer):
             for kind, tensors in block.parts().items():
                 out[f"middle_{kind}"] += held_bytes(tensors)
         out["stream"] = held_bytes(self.stream.tensors())
+        # the fast kernel's per-block slot plans (integers, built on first decode step)
+        plans = [getattr(block, "_slot_plan", None) for block in self.middle]
+        out["middle_slot_plans"] = sum(plan.nbytes() for plan in plans if plan is not None)
         return out
 
     def nbytes(self) -> int:

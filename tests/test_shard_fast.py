@@ -1,0 +1,131 @@
+"""Shard's fused decode kernel (kernel="fast") against the torch reference path, its oracle."""
+import pytest
+import torch
+
+import kvshrink
+from kvshrink.cache.attention import merge_partials
+from kvshrink.codecs import fused
+from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca, slot_plan
+
+from test_shard import prefill, tiny_llama
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason=f"numba missing: {fused.unavailable_reason()}")
+
+
+def decode(model, cache, steps, mask):
+    with torch.no_grad():
+        for t in range(steps):
+            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)
+            model(torch.full((mask.shape[0], 1), t + 1), attention_mask=mask, past_key_values=cache)
+
+
+def assert_fast_equals_reference(cache, batch, rows=(1, 3)):
+    """Every layer's fused partial of every middle block == the reference path's, for decode-sized queries."""
+    ctx, info = cache._ctx, cache.info
+    g = torch.Generator().manual_seed(3)
+    checked = 0
+    for layer in cache.layers:
+        for block in layer.middle:
+            for q_len in rows:
+                q = torch.randn(batch, info.num_q_heads, q_len, info.head_dim, generator=g) * 2
+                assert layer.use_fast_kernel(q)
+                got = layer.fused_middle_partial(block, q, ctx)
+                want = merge_partials(layer.reference_middle_partials(block, q, ctx))
+                torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
+                checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize("opts", [
+    dict(key_bits=2.0, pca_scope="head"),
+    dict(key_bits=2.0, pca_scope="layer"),
+    dict(key_bits=0.75, pca_scope="head"),                    # most components dropped
+    dict(key_bits=5.0, pca_scope="head", pca_group=3),        # 6-bit runs: codes straddle bytes
+    dict(key_bits=5.0, pca_scope="layer", k_levels="uniform"),
+    dict(key_bits=2.5, salient=0.05),                         # held rows masked in the kernel
+    dict(key_bits=2.5, salient=0.05, pca_scope="layer"),
+    dict(v_group=2, v_codebook=16),                           # 4-bit value codes
+    dict(v_group=8, v_codebook=32),                           # 5-bit value codes straddle bytes
+    dict(key_weights="query"),                                # per-column scale folded into the tables
+])
+def test_fused_block_attention_equals_reference(opts):
+    model = tiny_llama()
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, kernel="fast", **opts)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    prefill(model, cache, ids)
+    assert_fast_equals_reference(cache, 1)
+
+
+def test_fused_path_with_batch_padding_stream_and_several_blocks():
+    model = tiny_llama(head_dim=24)     # 24: rotation is a random orthogonal matrix, not Hadamard
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.5, min_block=32, kernel="fast")
+    ids = torch.randint(0, 128, (2, 260), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 260, dtype=torch.long)
+    mask[1, :37] = 0                    # left padding in row 1
+    with torch.no_grad():               # two prefill chunks: two middle blocks per layer
+        model(ids[:, :150], attention_mask=mask[:, :150], past_key_values=cache)
+        model(ids[:, 150:], attention_mask=mask, past_key_values=cache)
+    assert len(cache.layers[0].middle) == 2
+    decode(model, cache, 3, mask)
+    assert cache.layers[0].stream.n == 3
+    assert_fast_equals_reference(cache, 2)
+    # the slot plans the fast path keeps per block are counted with the cache's bytes
+    layer = cache.layers[0]
+    assert layer.breakdown()["middle_slot_plans"] == sum(block._slot_plan.nbytes() for block in layer.middle) > 0
+
+
+def test_fast_and_reference_caches_decode_the_same_tokens():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for kernel in ("fast", "reference"):
+        cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, kernel=kernel)
+        with torch.no_grad():
+            out = [prefill(model, cache, ids).logits[:, -1]]
+            for t in range(6):
+                out.append(model(out[-1].argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1])
+        logits[kernel] = torch.stack(out)
+    torch.testing.assert_close(logits["fast"], logits["reference"], atol=1e-4, rtol=1e-4)
+
+
+def test_slot_plan_decodes_every_run_layout():
+    """Rows summed from the plan's tables == the codes' own decode, with byte slots and nibble slots."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 50, 12, generator=g) * torch.linspace(3, 0.1, 12)
+    fit = fit_pca(x.reshape(-1, 12), 12)
+    code = encode_pca(x, fit, [8, 6, 6, 4, 4, 4, 2, 2, 2, 0, 0, 0], levels="lloyd")
+    want = code.decode()
+    for slot_bits in (8, 4):
+        got = _decode_with_plan(code, slot_bits)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _decode_with_plan(code: PCACode, slot_bits: int) -> torch.Tensor:
+    """Rows of ``code`` through `fused._fill_tables` and the plan's slots, in plain Python."""
+    import numpy as np
+
+    from kvshrink.codecs.pca import scaled_bases
+
+    plan = slot_plan([code], slot_bits=slot_bits)
+    scaled, mean = scaled_bases([code])
+    tables = np.empty((plan.rows, mean.shape[-1]), np.float32)
+    fused._fill_tables(tables, scaled.numpy(), plan.levels, plan.jobs)
+    byte, shift, bits, row, count = plan.slots
+    codes = code.codes.numpy().astype(np.int64)
+    out = np.tile(mean.numpy()[0], (*codes.shape[:-1], 1))
+    for k in range(count[0]):
+        word = codes[..., byte[0, k]] | (codes[..., min(byte[0, k] + 1, codes.shape[-1] - 1)] << 8)
+        out += tables[row[0, k] + ((word >> shift[0, k]) & ((1 << bits[0, k]) - 1))]
+    return torch.from_numpy(out)
+
+
+def test_kernel_option_is_validated_and_a_missing_numba_names_the_extra(monkeypatch):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="kernel"):
+        kvshrink.make_cache("shard", model, kernel="gpu")
+    q = torch.zeros(1, 4, 1, 16)
+    assert not kvshrink.make_cache("shard", model).layers[0].use_fast_kernel(q)  # reference by default
+    monkeypatch.setattr(fused, "numba", None)
+    with pytest.raises(ImportError, match=r"kernel='fast' needs numba.*kvshrink\[fast\]"):
+        kvshrink.make_cache("shard", model, sinks=4, window=16, kernel="fast")
