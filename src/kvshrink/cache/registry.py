@@ -152,8 +152,12 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
 
     info_m = get_method(method)
     resolved = resolve_options(info_m, options)
+    from kvshrink.cache.persist import model_fingerprint
+
     info = describe_model(model)
-    return info_m.build(model, info, **resolved)
+    cache = info_m.build(model, info, **resolved)
+    cache.model_fingerprint = model_fingerprint(model)  # cache.save() records which model made it
+    return cache
 
 
 def split_specs(text: str) -> list[str]:
