@@ -21,7 +21,7 @@ def real_model():
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     """A randomly initialised 2-layer decoder with GQA (4 query heads, 2 KV heads, head size 16)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -32,6 +32,9 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
         config = LlamaConfig(**common)
     elif family == "qwen2":
         config = Qwen2Config(**common)
+    elif family == "qwen3":  # qk-norm
+        common.setdefault("head_dim", 16)
+        config = Qwen3Config(**common)
     elif family == "mistral":
         common.setdefault("sliding_window", None)
         config = MistralConfig(**common)

@@ -313,7 +313,7 @@ def test_kivi_bytes_by_hand(bits, residual):
     key = H * d * (quantized // 32) * (32 * bits // 8 + 4)  # per channel and group: codes + fp16 step, zero
     val = H * quantized * (d // 32) * (32 * bits // 8 + 4)  # per token and group of 32 channels
     tail = 2 * H * exact * d * 2  # fp16 K and V
-    assert cache.nbytes() == L * (key + val + tail) + 8  # + the cache's int64 offset
+    assert cache.nbytes() == L * (key + val + tail) + 8 + tokens * 8  # + the cache's int64 offset and token ids
     assert sum(cache.breakdown().values()) == cache.nbytes()
 
 
@@ -348,7 +348,7 @@ def test_turboquant_bytes_by_hand_and_options():
             per_layer += H * q * (d // 8 + 2)  # 1-bit signs + fp16 residual norm, keys only
         per_layer += 2 * H * residual * d * 2  # exact fp16 tail
         per_layer += 8 + 8 + (8 if qjl else 0) + 4 * (2**kb + 2**vb)  # seeds + fp32 codebooks
-        assert cache.nbytes() == L * per_layer + 8, (kb, vb, qjl, residual)
+        assert cache.nbytes() == L * per_layer + 8 + tokens * 8, (kb, vb, qjl, residual)  # + offset, token ids
 
 
 # ---------------------------------------------------------------- transformers' QuantizedCache

@@ -49,11 +49,12 @@ def test_byte_accounting_by_hand():
     greedy(model, ids, mask, full, new_tokens=5)
     tokens = 25 + 5 - 1  # the last generated token is never fed back
     assert full.get_seq_length() == tokens
-    bookkeeping = 2 * 8  # the cache's int64 RoPE offset per row (no padding here, so no pad lengths)
+    # the cache's int64 RoPE offset per row (no padding here, so no pad lengths) and the int64 ids it holds
+    bookkeeping = 2 * 8 + 2 * tokens * 8
     assert full.nbytes() == 2 * 2 * (2 * 2 * tokens * 16) * 4 + bookkeeping  # layers x (K,V) x [B,Hkv,T,d] x fp32
     assert full.fp16_nbytes() == 2 * 2 * 2 * 16 * tokens * 2 * 2
     assert full.compression_ratio() == pytest.approx(full.fp16_nbytes() / full.nbytes())
-    assert full.compression_ratio() == pytest.approx(0.5, rel=1e-3)
+    assert full.compression_ratio() == pytest.approx(full.fp16_nbytes() / (2 * full.fp16_nbytes() + bookkeeping))
     half = kvshrink.make_cache("full", model, dtype="float16")   # the fp16 cache ratios are quoted against
     _, half_logits = greedy(model, ids, mask, half, new_tokens=5)
     assert half.nbytes() == full.fp16_nbytes() + bookkeeping
@@ -135,7 +136,7 @@ def test_cache_reuse_for_a_new_prompt_is_refused_until_reset():
     a, b = prompts([20, 15])
     cache = kvshrink.make_cache("full", model)
     greedy(model, a[None], torch.ones(1, 20, dtype=torch.long), cache)
-    with pytest.raises(kvshrink.CacheReuseError, match="reset"):
+    with pytest.raises(kvshrink.CacheReuseError, match="holds 27 tokens .*does not begin with them.*reset"):
         greedy(model, b[None], torch.ones(1, 15, dtype=torch.long), cache)
     cache.reset()
     seq, _ = greedy(model, b[None], torch.ones(1, 15, dtype=torch.long), cache)
@@ -143,15 +144,83 @@ def test_cache_reuse_for_a_new_prompt_is_refused_until_reset():
     assert torch.equal(seq, ref)
 
 
-def test_multi_turn_cache_continues_a_conversation_exactly():
+def test_prefill_only_cache_refuses_an_unrelated_prompt():
+    """model(a, cache) then generate(b, cache): b does not begin with a, so it must not be taken as a's tail."""
+    model = tiny_model("llama")
+    a, b = prompts([12, 20])
+    cache = kvshrink.make_cache("full", model)
+    with torch.no_grad():
+        model(input_ids=a[None], past_key_values=cache)
+    assert torch.equal(cache.token_ids, a[None])
+    with pytest.raises(kvshrink.CacheReuseError, match=r"holds 12 tokens \(ids \[.*\]\); the new input has 20"):
+        greedy(model, b[None], torch.ones(1, 20, dtype=torch.long), cache)
+    with pytest.raises(kvshrink.CacheReuseError, match="no new token"):
+        greedy(model, a[None], torch.ones(1, 12, dtype=torch.long), cache)
+
+
+# an evicting method is not chunk-invariant (what it evicts depends on how the prompt arrived): a window
+# wider than the test keeps streaming exact, so both runs must agree
+@pytest.mark.parametrize("method,options", [("full", {}), ("streaming", {"sinks": 2, "window": 64})])
+def test_prefix_reuse_equals_one_generate(method, options):
+    """transformers' prefix-reuse pattern: prefill a shared prefix once, then generate(prefix + question)."""
+    model = tiny_model("llama")
+    prefix, question = prompts([14, 6])
+    full_input = torch.cat([prefix, question])[None]
+    cache = kvshrink.make_cache(method, model, **options)
+    with torch.no_grad():
+        model(input_ids=prefix[None], past_key_values=cache)
+    seq, logits = greedy(model, full_input, torch.ones_like(full_input), cache)
+    ref, ref_logits = greedy(model, full_input, torch.ones_like(full_input), kvshrink.make_cache(method, model, **options))
+    assert torch.equal(seq, ref)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.token_ids, seq[:, :-1])
+    assert cache.token_ids.shape[1] == cache.get_seq_length()
+
+
+def test_a_decoded_cache_continues_a_conversation_exactly():
     model = tiny_model("llama")
     (a,) = prompts([20])
-    cache = kvshrink.make_cache("full", model, multi_turn=True)
+    cache = kvshrink.make_cache("full", model)  # no option needed; multi_turn=True is accepted as a no-op
     first, _ = greedy(model, a[None], torch.ones(1, 20, dtype=torch.long), cache)
     follow = torch.cat([first, torch.tensor([[5, 6, 7]])], dim=1)
     seq, _ = greedy(model, follow, torch.ones_like(follow), cache)
     ref, _ = greedy(model, follow, torch.ones_like(follow), DynamicCache())
     assert torch.equal(seq, ref)
+    kvshrink.make_cache("full", model, multi_turn=True)
+
+
+def test_left_padded_cache_holds_the_ids_it_was_given():
+    model = tiny_model("llama")
+    ids, mask = left_pad(prompts([9, 5]))
+    cache = kvshrink.make_cache("full", model)
+    seq, _ = greedy(model, ids, mask, cache, new_tokens=3)
+    assert torch.equal(cache.token_ids, seq[:, :-1])  # padding included, as given
+    other = seq.clone()
+    other[1, 6] += 1
+    with pytest.raises(kvshrink.CacheReuseError):
+        greedy(model, other, torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1), cache)
+
+
+def test_token_ids_are_unknown_after_inputs_embeds():
+    """From embeddings the cache cannot know the ids: token_ids is None and reuse is not checked."""
+    model = tiny_model("llama")
+    (a,) = prompts([10])
+    cache = kvshrink.make_cache("full", model)
+    with torch.no_grad():
+        model(inputs_embeds=model.get_input_embeddings()(a[None]), past_key_values=cache)
+    assert cache.token_ids is None
+    cache.reset()
+    assert cache.token_ids.shape == (1, 0)
+
+
+def test_use_cache_false_with_a_kvshrink_cache_is_refused():
+    model = tiny_model("llama")
+    (a,) = prompts([10])
+    with pytest.raises(ValueError, match="use_cache=False with a kvshrink cache"):
+        model(input_ids=a[None], past_key_values=kvshrink.make_cache("full", model), use_cache=False)
+    with pytest.raises(ValueError, match="use_cache=False with a kvshrink cache"):
+        model.generate(input_ids=a[None], past_key_values=kvshrink.make_cache("full", model), use_cache=False,
+                       max_new_tokens=2, pad_token_id=0)
 
 
 def test_right_padding_and_nan_inputs_are_refused():
@@ -186,6 +255,24 @@ def test_full_supports_num_return_sequences():
     ref = model.generate(input_ids=a[None], past_key_values=DynamicCache(), max_new_tokens=4, do_sample=False,
                          num_beams=2, num_return_sequences=2, pad_token_id=0)
     assert torch.equal(out, ref)
+
+
+def test_calls_without_a_kvshrink_cache_use_the_models_own_attention():
+    model = tiny_model("llama", attn_implementation="eager")
+    (a,) = prompts([16])
+    with torch.no_grad():
+        ref = model(input_ids=a[None], output_attentions=True)
+    cache = kvshrink.make_cache("full", model)
+    assert model.config._attn_implementation == "eager"
+    greedy(model, a[None], torch.ones(1, 16, dtype=torch.long), cache)
+    assert model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        after = model(input_ids=a[None], past_key_values=DynamicCache(), output_attentions=True)
+    assert after.attentions is not None and after.attentions[0] is not None  # eager returns weights, SDPA does not
+    assert torch.equal(after.logits, ref.logits)
+    with pytest.raises(ValueError):  # a failing kvshrink call still hands the model back its own attention
+        model(input_ids=a[None], past_key_values=kvshrink.make_cache("full", model), use_cache=False)
+    assert model.config._attn_implementation == "eager"
 
 
 def test_model_keeps_working_with_ordinary_caches_after_make_cache():

@@ -282,3 +282,46 @@ def test_compression_needs_less_extra_memory_than_one_layers_prompt_kv():
         ShardLayer.compress_block = original
     (peak, layer_kv), = measured
     assert cache.layers[0].middle and 0 < peak <= layer_kv, (peak, layer_kv)
+
+
+ROPE_SCALINGS = {
+    "default": {},
+    "linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 128}},
+    "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPE_SCALINGS))
+def test_store_rebuilds_the_models_post_rope_keys_and_values(rope):
+    """At 8 bits the keys and values rebuilt from the store are the ones the model computed (RoPE undone
+    and redone exactly: with YaRN, redoing it through the model's rotary module scaled keys by 1.3)."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", **ROPE_SCALINGS[rope])
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    full = kvshrink.make_cache("full", model)
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, key_bits=8.0, salient=0.0, v_group=1)
+    prefill(model, full, ids)
+    prefill(model, shard, ids)
+    assert sum(b.n for b in shard.layers[0].middle) == 188
+    for layer, reference in zip(shard.layers, full.layers):
+        keys, values, index = layer.dequantized(shard._ctx)
+        order = (index[0] if index.dim() == 2 else index).argsort()
+        for got, want in [(keys[:, :, order], reference.store.keys), (values[:, :, order], reference.store.values)]:
+            assert ((got.float() - want).norm() / want.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("scaling,named", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic'"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+      "original_max_position_embeddings": 128}, "rope_type 'longrope'"),
+])
+def test_rope_types_shard_cannot_undo_exactly_are_refused(scaling, named):
+    from conftest import tiny_model
+
+    model = tiny_model("llama", rope_scaling=scaling)  # max_position_embeddings 512: longrope would switch at 128
+    with pytest.raises(NotImplementedError, match=f"shard.*{named}"):
+        kvshrink.make_cache("shard", model)
+    kvshrink.make_cache("full", model)  # a method that keeps keys as they are takes any RoPE

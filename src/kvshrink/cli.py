@@ -227,6 +227,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = Path(args.prompt_file).read_text()
     else:
         prompt = args.prompt
+    if not prompt.strip():
+        raise ValueError("empty prompt: give a question or text with --prompt or --prompt-file")
     model, tokenizer = load_model(args.model)
     answer, cache, seconds = generate_text(model, tokenizer, prompt, args.method, options, args.max_new_tokens)
     print(answer.strip())

@@ -6,28 +6,22 @@ import time
 
 import torch
 
-# Methods tried by default, best first; the demo shows the first one that is installed next to `full`.
-PREFERRED = ("shard", "lrqk", "kivi", "streaming")
+def _checked(specs: list[str]) -> list[str]:
+    """``specs`` unchanged once every method and option is known (ValueError naming the bad one), so a
+    typo fails before the model loads instead of silently running another method."""
+    from kvshrink.cache.registry import get_method, parse_method_spec, resolve_options
 
-
-def _available(specs: list[str]) -> list[str]:
-    """``specs`` whose method is registered; a missing one is replaced by the best registered method."""
-    from kvshrink.cache.registry import methods
-
-    names = set(methods())
-    chosen = [s for s in specs if s.split(":")[0] in names]
-    if len(chosen) < len(specs):
-        fallback = next((m for m in PREFERRED if m in names and m not in chosen), None)
-        if fallback is not None:
-            chosen.append(fallback)
-    return chosen
+    for spec in specs:
+        name, options = parse_method_spec(spec)
+        resolve_options(get_method(name), options)
+    return specs
 
 
 def run_demo(length: int = 3000, methods: list[str] | None = None, depth: float = 50.0, seed: int = 0) -> int:
     from kvshrink import load_model, make_cache, parse_method_spec
     from kvshrink.eval.tasks import Builder
 
-    specs = _available(methods or ["full", "shard"])
+    specs = _checked(methods or ["full", "shard"])
     print(f"kvshrink demo: a {length}-token needle-in-a-haystack prompt (Paul Graham essays), "
           f"needle at {depth:.0f}% depth, answered greedily with: {', '.join(specs)}")
     model, tokenizer = load_model()

@@ -98,6 +98,7 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
     num_kv = getattr(config, "num_key_value_heads", None) or num_q
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q
     param = next(model.parameters())
+    rope_type = _rope_parameters(config).get("rope_type", _rope_parameters(config).get("type", "default"))
     return ModelInfo(
         model_type=name,
         num_layers=config.num_hidden_layers,
@@ -106,5 +107,42 @@ def describe_model(model: torch.nn.Module) -> ModelInfo:
         head_dim=head_dim,
         max_positions=getattr(config, "max_position_embeddings", 0) or 0,
         dtype=param.dtype,
+        rope_type=str(rope_type),
         rotary=rotary,
     )
+
+
+# RoPE types whose frequencies are fixed at load time: a method may undo and redo RoPE exactly with the
+# rotary module's inv_freq (StepContext.rope). "dynamic" recomputes them from the longest position of
+# each call, "longrope" switches between two sets at original_max_position_embeddings: a key rotated in
+# one call would be re-rotated with other frequencies in a later one.
+EXACT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params if isinstance(params, dict) else {}
+
+
+def require_exact_rope(model: torch.nn.Module, info: ModelInfo, method: str) -> None:
+    """NotImplementedError naming the RoPE type unless ``method`` can undo and redo the model's RoPE exactly."""
+    config = _text_config(model)
+    params = _rope_parameters(config)
+    rope_type = info.rope_type
+    if rope_type == "longrope":
+        original = params.get("original_max_position_embeddings") or info.max_positions
+        if info.max_positions <= original:  # never reaches the switch: one fixed set of frequencies
+            return
+    if rope_type not in EXACT_ROPE_TYPES:
+        raise NotImplementedError(
+            f"kvshrink method '{method}' undoes and re-applies RoPE and cannot do so exactly for rope_type "
+            f"'{rope_type}' (its frequencies change with the sequence length); supported: "
+            f"{list(EXACT_ROPE_TYPES)} (and 'longrope' up to original_max_position_embeddings). Use a method "
+            "that keeps keys as they are (e.g. kivi, turboquant, full)."
+        )
+    inv_freq = getattr(info.rotary, "inv_freq", None)
+    if inv_freq is None or 2 * inv_freq.numel() != info.head_dim:
+        raise NotImplementedError(
+            f"kvshrink method '{method}' needs RoPE over the whole head (head size {info.head_dim}); this model's "
+            f"rotary module rotates {0 if inv_freq is None else 2 * inv_freq.numel()} channels (partial_rotary_factor)"
+        )

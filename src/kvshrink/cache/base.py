@@ -20,7 +20,7 @@ from kvshrink.cache.store import fp16_kv_bytes, held_bytes
 
 
 class CacheReuseError(RuntimeError):
-    """A cache that already decoded was handed a new prompt."""
+    """A cache that holds tokens was handed an input that does not continue them."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class ModelInfo:
     head_dim: int
     max_positions: int
     dtype: torch.dtype
+    rope_type: str = "default"
     rotary: Any = field(repr=False, compare=False, default=None)  # the model's rotary embedding module
 
     @property
@@ -77,9 +78,18 @@ class StepContext:
         return (idx.long() - self.offset[:, None]).clamp(min=0)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, n, d]`` of the model's RoPE at ``positions [B, n]``."""
-        probe = torch.empty(0, device=positions.device, dtype=self._dtype)
-        return self._rotary(probe, positions)
+        """float32 ``(cos, sin)`` ``[B, n, d]`` of the model's RoPE rotation at ``positions [B, n]``.
+
+        The pure rotation, from the rotary module's own frequencies: transformers folds
+        ``attention_scaling`` (YaRN, longrope) into the cos/sin it returns, so undoing and redoing RoPE
+        through the module would scale keys by its square. Undo and redo with this rotation are exact
+        inverses whatever the scaling (the keys a method sees "before RoPE" carry the factor), and float32
+        whatever the model's dtype. Only rope types whose frequencies never change are accepted by a
+        method that undoes RoPE (``kvshrink.models.require_exact_rope``)."""
+        inv_freq = self._rotary.inv_freq.to(device=positions.device, dtype=torch.float32)
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
 
 
 class LayerHandle:
@@ -223,6 +233,12 @@ class CacheLayer(CacheLayerMixin):
         """Called on every layer once a saved cache is rebuilt (rebuild derived state here)."""
 
 
+def _preview(ids: torch.Tensor, shown: int = 6) -> str:
+    """The first ids of row 0, for error messages."""
+    row = ids[0].tolist()
+    return str(row[:shown])[:-1] + (", ...]" if len(row) > shown else "]")
+
+
 def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for d in dicts:
@@ -271,7 +287,7 @@ class KVShrinkCache(CacheAccounting, Cache):
         self.method = method
         self.options = dict(options)
         self.info = info
-        self.multi_turn = multi_turn
+        self.multi_turn = multi_turn  # accepted for old callers; a no-op (continuations are recognised by token ids)
         self._clear_bookkeeping()
 
     def _clear_bookkeeping(self) -> None:
@@ -280,6 +296,9 @@ class KVShrinkCache(CacheAccounting, Cache):
         self._offset: torch.Tensor | None = None
         self._batch: int | None = None
         self.decode_steps = 0
+        self._token_ids: torch.Tensor | None = None
+        self._ids_known = True
+        self._incoming_ids: torch.Tensor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -299,6 +318,53 @@ class KVShrinkCache(CacheAccounting, Cache):
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())
         return f"KVShrinkCache({self.method}{':' + opts if opts else ''}, tokens={self.get_seq_length()})"
 
+    # ---- the token ids the cache holds (see cache/integration.py for who feeds them) -----------
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """int64 ``[B, n]`` input ids of every token the cache holds (left padding included), ``n ==
+        get_seq_length()``; None when unknown (a step ran from ``inputs_embeds``): then a new input
+        cannot be checked against what the cache holds."""
+        if not self._ids_known:
+            return None
+        if self._token_ids is None:
+            return torch.zeros(self._batch or 1, 0, dtype=torch.long) if self.get_seq_length() == 0 else None
+        return self._token_ids
+
+    def expect_input_ids(self, input_ids: torch.Tensor | None) -> None:
+        """The ids of the next forward's new tokens (None: the forward runs from embeddings)."""
+        self._incoming_ids = None if input_ids is None else input_ids.detach()
+
+    def check_continues(self, input_ids: torch.Tensor) -> None:
+        """Raise CacheReuseError unless ``input_ids [B, m]`` begins with the tokens the cache holds and
+        adds at least one token."""
+        held = self.token_ids
+        n = self.get_seq_length()
+        if n == 0 or held is None:
+            return
+        if input_ids.shape[0] != held.shape[0]:
+            raise CacheReuseError(f"kvshrink: this cache holds {n} tokens of a batch of {held.shape[0]} rows; got an "
+                                  f"input of {input_ids.shape[0]} rows. Call cache.reset() for a new prompt.")
+        m = input_ids.shape[1]
+        if m > n and torch.equal(input_ids[:, :n].to(held.device), held):
+            return
+        what = ("it is no longer than what the cache holds (no new token)" if m <= n and
+                torch.equal(input_ids.to(held.device), held[:, :m]) else "it does not begin with them")
+        raise CacheReuseError(
+            f"kvshrink: this cache holds {n} tokens (ids {_preview(held)}); the new input has {m} tokens "
+            f"(ids {_preview(input_ids)}) and {what}. Pass the held tokens followed by the new ones to continue "
+            "(e.g. generate(prefix + question) after model(prefix)), or call cache.reset() (or make a new cache) "
+            "for an unrelated prompt."
+        )
+
+    def _record_ids(self, q: int) -> None:
+        ids, self._incoming_ids = self._incoming_ids, None
+        if ids is None or ids.dim() != 2 or ids.shape[1] != q:
+            self._ids_known, self._token_ids = False, None
+            return
+        if self._ids_known:
+            ids = ids.long()
+            self._token_ids = ids if self._token_ids is None else torch.cat([self._token_ids, ids.to(self._token_ids.device)], 1)
+
     # ---- transformers Cache API ----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:
@@ -312,14 +378,13 @@ class KVShrinkCache(CacheAccounting, Cache):
         b, _, q, _ = key_states.shape
         if self._batch is not None and b != self._batch:
             raise ValueError(f"kvshrink: this cache holds a batch of {self._batch} rows, got {b}")
-        if q > 1 and self.decode_steps > 0 and not self.multi_turn:
-            raise CacheReuseError(
-                f"kvshrink: this cache already holds {self.get_seq_length()} tokens of an earlier prompt and its "
-                "answer. Call cache.reset() (or make a new cache) before a new prompt; to continue the same "
-                "conversation create the cache with make_cache(..., multi_turn=True)."
-            )
         if torch.isnan(key_states).any():
             raise ValueError("kvshrink: NaN in the key states of layer 0; check the model inputs")
+        total, limit = self.get_seq_length() + q, self.info.max_positions
+        if limit and total > limit:
+            raise ValueError(f"kvshrink: {total} tokens (prompt and answer so far) exceed the model's {limit} positions "
+                             "(max_position_embeddings); shorten the prompt or max_new_tokens")
+        self._record_ids(q)
         self._batch = b
         self._ctx = None
         if q == 1:
@@ -410,6 +475,8 @@ class KVShrinkCache(CacheAccounting, Cache):
     def crop(self, max_length: int) -> None:
         for layer in self.layers:
             layer.crop(max_length)
+        if self._token_ids is not None:
+            self._token_ids = self._token_ids[:, :self.get_seq_length()]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         for layer in self.layers:
@@ -428,26 +495,32 @@ class KVShrinkCache(CacheAccounting, Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for layer in self.layers:
             layer.reorder_cache(beam_idx)
+        self._repeat_bookkeeping(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def _repeat_bookkeeping(self, fn) -> None:
         if self._pad_len is not None:
             self._pad_len = fn(self._pad_len)
         if self._offset is not None:
             self._offset = fn(self._offset)
+        if self._token_ids is not None:
+            self._token_ids = fn(self._token_ids)
 
     # ---- accounting ---------------------------------------------------------------------------------
+    def _bookkeeping(self) -> list[torch.Tensor | None]:
+        return [self._pad_len, self._offset, self._token_ids]
+
     @property
     def batch_size(self) -> int:
         return self._batch or 1
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (all layers plus the cache's own bookkeeping)."""
-        return sum(layer.nbytes() for layer in self.layers) + held_bytes([self._pad_len, self._offset])
+        return sum(layer.nbytes() for layer in self.layers) + held_bytes(self._bookkeeping())
 
     def breakdown(self) -> dict[str, int]:
         """Bytes per part, summed over layers (the values sum to ``nbytes()``)."""
         out = {k: int(v) for k, v in _sum_dicts([layer.breakdown() for layer in self.layers]).items()}
-        book = held_bytes([self._pad_len, self._offset])
+        book = held_bytes(self._bookkeeping())
         if book:
             out["bookkeeping"] = out.get("bookkeeping", 0) + book
         return out

@@ -1,21 +1,38 @@
-"""Plugging kvshrink into transformers: the "kvshrink" attention and mask functions.
+"""Plugging kvshrink into transformers: the "kvshrink" attention and mask functions, and the hooks that
+route each call of a model to them only when it uses a kvshrink cache.
+
+``install(model)`` (called by ``make_cache``, idempotent) adds to the model:
+
+- a forward pre-hook: a call whose ``past_key_values`` is a kvshrink cache (or a shared prefill of
+  several) runs with the "kvshrink" attention implementation; any other call (another cache, or none)
+  runs with the implementation the model had (eager, sdpa, flash_attention_2, ...), restored by a
+  forward hook after every call, errors included. The pre-hook also hands the cache the input ids of
+  the tokens it is about to store (``KVShrinkCache.token_ids``) and refuses ``use_cache=False``.
+- a wrapper of ``prepare_inputs_for_generation``: when ``generate`` starts with a cache that already
+  holds tokens, the full input must begin with them (``CacheReuseError`` otherwise).
 
 The attention function recognises a ``LayerHandle`` (what a kvshrink cache returns from ``update``)
-and lets the layer compute attention from its own store. Given ordinary tensors (any other cache, or
-no cache) it is plain SDPA, so a model switched to "kvshrink" keeps working with other caches.
+and lets the layer compute attention from its own store; given ordinary tensors (a submodule called
+directly with another cache) it is plain SDPA.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvshrink.cache.base import LayerHandle
-from kvshrink.cache.fanout import FanoutHandle, fanout_attention
+from kvshrink.cache.base import KVShrinkCache, LayerHandle
+from kvshrink.cache.fanout import FanoutCache, FanoutHandle, fanout_attention
 
 ATTENTION_NAME = "kvshrink"
+_INSTALLED = "_kvshrink_installed"
+_USER_ATTENTION = "_kvshrink_user_attention"
 
 
 def kvshrink_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
@@ -48,8 +65,82 @@ def register() -> None:
     _registered = True
 
 
+def kvshrink_caches(cache: Any) -> list[KVShrinkCache]:
+    """The kvshrink caches behind ``cache`` (itself, the members of a shared prefill, or none)."""
+    if isinstance(cache, KVShrinkCache):
+        return [cache]
+    if isinstance(cache, FanoutCache):
+        return [c for c in cache.caches if isinstance(c, KVShrinkCache)]
+    return []
+
+
 def install(model: torch.nn.Module) -> None:
-    """Switch ``model`` to the kvshrink attention function (a no-op if it already uses it)."""
+    """Add kvshrink's hooks to ``model`` once (see the module docstring); the model's own attention
+    implementation stays in place for every call without a kvshrink cache."""
     register()
-    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
+    if getattr(model, _INSTALLED, False):
+        return
+    user = _attention_of(model)
+    setattr(model, _USER_ATTENTION, "sdpa" if user == ATTENTION_NAME else user)
+    model.set_attn_implementation(ATTENTION_NAME)  # validates the name once; calls then switch cheaply
+    _use_attention(model, getattr(model, _USER_ATTENTION))
+    signature = inspect.signature(model.forward)
+    model.register_forward_pre_hook(functools.partial(_before_forward, signature=signature), with_kwargs=True)
+    model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
+    model.prepare_inputs_for_generation = _checking_prepare(model.prepare_inputs_for_generation)
+    setattr(model, _INSTALLED, True)
+
+
+def _attention_of(model: torch.nn.Module) -> str | None:
+    return model.config._attn_implementation
+
+
+def _use_attention(model: torch.nn.Module, name: str | None) -> None:
+    # the plain attribute behind config._attn_implementation: switching per call must stay cheap, and
+    # set_attn_implementation already validated both names once (install / the user's own choice)
+    model.config._attn_implementation_internal = name
+
+
+def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict, signature: inspect.Signature):
+    current = _attention_of(model)
+    if current != ATTENTION_NAME:  # the user may have changed it since install: remember their choice
+        setattr(model, _USER_ATTENTION, current)
+    bound = kwargs if "past_key_values" in kwargs or not args else signature.bind_partial(*args, **kwargs).arguments
+    caches = kvshrink_caches(bound.get("past_key_values"))
+    if not caches:
+        _use_attention(model, getattr(model, _USER_ATTENTION))
+        return None
+    if bound.get("use_cache") is False:
+        raise ValueError("kvshrink: use_cache=False with a kvshrink cache; a kvshrink cache only works with "
+                         "use_cache=True (the default). Drop past_key_values to run without a cache.")
+    ids = bound.get("input_ids") if bound.get("inputs_embeds") is None else None
+    if ids is not None and ids.shape[-1] == 0:
+        raise ValueError("kvshrink: empty input (0 tokens); give at least one token")
+    for cache in caches:
+        cache.expect_input_ids(ids)
+    _use_attention(model, ATTENTION_NAME)
+    return None
+
+
+def _after_forward(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
+    _use_attention(model, getattr(model, _USER_ATTENTION))
+    return None
+
+
+def _checking_prepare(prepare):
+    """``prepare_inputs_for_generation`` that first checks a non-empty kvshrink cache is continued."""
+    if getattr(prepare, "_kvshrink_checks", False):
+        return prepare
+
+    @functools.wraps(prepare)
+    def checked(input_ids, *args, **kwargs):
+        # generate's first step sees the whole input (next_sequence_length set: it slices the new tail
+        # itself); next_sequence_length None means the caller passed only the new tokens
+        if (kwargs.get("is_first_iteration") and kwargs.get("next_sequence_length") is not None
+                and kwargs.get("inputs_embeds") is None and input_ids is not None):
+            for cache in kvshrink_caches(kwargs.get("past_key_values")):
+                cache.check_continues(input_ids)
+        return prepare(input_ids, *args, **kwargs)
+
+    checked._kvshrink_checks = True
+    return checked

@@ -57,18 +57,21 @@ class MethodInfo:
     description: str
     options: dict[str, Option]
     build: Callable[..., Any] = field(repr=False)  # build(model, info, **options) -> cache
+    undoes_rope: bool = False  # the method re-rotates keys: make_cache refuses RoPE types it cannot undo exactly
 
 
 _METHODS: dict[str, MethodInfo] = {}
 
 # Options every kvshrink cache accepts (not passed to the layers).
 COMMON_OPTIONS = {
-    "multi_turn": Option(False, "allow a new multi-token input after decoding (continuing the same conversation)"),
+    # kept so old callers do not break: a cache now takes any input that begins with the tokens it holds
+    # (prefix reuse, a conversation's next turn) and refuses any other, so the flag changes nothing
+    "multi_turn": Option(False, "no-op, kept for compatibility: any input that continues the held tokens is taken"),
 }
 
 
 def register_method(name: str, description: str, options: dict[str, Option] | None = None,
-                    build: Callable[..., Any] | None = None):
+                    build: Callable[..., Any] | None = None, undoes_rope: bool = False):
     """Class decorator registering a ``CacheLayer`` subclass as method ``name``.
 
     The layer class is constructed as ``cls(spec, **options)`` for each decoder layer. A method that
@@ -82,7 +85,7 @@ def register_method(name: str, description: str, options: dict[str, Option] | No
         builder = build or _layer_builder(name, cls)
         if isinstance(cls, type):
             cls.method_name = name
-        _METHODS[name] = MethodInfo(name, description, opts, builder)
+        _METHODS[name] = MethodInfo(name, description, opts, builder, undoes_rope)
         return cls
 
     return decorate
@@ -148,13 +151,15 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     Raises ValueError for an unknown method or option (listing the valid ones) and
     NotImplementedError for a model kvshrink cannot handle.
     """
-    from kvshrink.models import describe_model
+    from kvshrink.models import describe_model, require_exact_rope
 
     info_m = get_method(method)
     resolved = resolve_options(info_m, options)
     from kvshrink.cache.persist import model_fingerprint
 
     info = describe_model(model)
+    if info_m.undoes_rope:
+        require_exact_rope(model, info, method)
     cache = info_m.build(model, info, **resolved)
     cache.model_fingerprint = model_fingerprint(model)  # cache.save() records which model made it
     return cache

@@ -14,6 +14,33 @@ from kvshrink.cache.attention import Partial, exact_partial
 
 # Storage dtypes a method option may name (one spelling for every method).
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# What an option for exactly kept tokens may say: "auto" (the model's dtype when it is 16-bit, else
+# float16, the precision of the fp16 cache ratios are quoted against), "model", or a dtype by name.
+EXACT_DTYPE_CHOICES = ("auto", "model", *STORAGE_DTYPES)
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+def exact_storage_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an ``EXACT_DTYPE_CHOICES`` option stores exact tokens in, for a model of ``model_dtype``."""
+    if option == "model" or (option == "auto" and model_dtype.itemsize == 2):
+        return model_dtype
+    return torch.float16 if option == "auto" else STORAGE_DTYPES[option]
+
+
+def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``x`` in ``dtype`` (unchanged for None); ValueError rather than a silent inf when narrowing to
+    float16 would overflow (bf16 and fp32 models can hold values beyond float16's 65504)."""
+    if dtype is None or x.dtype == dtype:
+        return x
+    if dtype == torch.float16 and x.numel():
+        peak = float(x.detach().abs().amax())
+        if peak > _FP16_MAX:
+            raise ValueError(
+                f"kvshrink: a key or value of {peak:.4g} is beyond float16's range (+-65504); stored as float16 "
+                "it would become inf. Store exact tokens in the model's dtype (the method's dtype option: "
+                "'model') for this model."
+            )
+    return x.to(dtype)
 
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -68,8 +95,7 @@ class ExactStore:
 
     def append(self, key: torch.Tensor, value: torch.Tensor, index: torch.Tensor) -> None:
         """Add tokens ``[B, H_kv, q, d]`` whose indices are ``index`` (``[q]`` or ``[B, q]``)."""
-        if self.dtype is not None:
-            key, value = key.to(self.dtype), value.to(self.dtype)
+        key, value = to_storage(key, self.dtype), to_storage(value, self.dtype)
         contiguous = index.dim() == 1 and self.index is None and int(index[0]) == len(self)
         if not contiguous:
             self._materialise_index(key.shape[0])

@@ -26,22 +26,32 @@ def _broadcastable(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     # transformers gives [B, T, d]; keys are [B, H, T, d]: insert the head axis.
     if t.dim() == x.dim() - 1 and x.dim() >= 3:
         t = t.unsqueeze(-3)
-    return t.to(dtype=x.dtype, device=x.device)
+    return t.to(device=x.device)
+
+
+def _promoted(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``x, cos, sin`` in their common dtype: float32 cos/sin rotate half-precision keys in float32
+    (rounding the angles to bf16 would misplace every key by up to ~1%)."""
+    dtype = torch.promote_types(x.dtype, cos.dtype)
+    cos, sin = _broadcastable(x, cos), _broadcastable(x, sin)
+    return x.to(dtype), cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[..., T, d]``) to its positions: ``x*cos + rotate_half(x)*sin``."""
+    """Rotate ``x`` (``[..., T, d]``) to its positions: ``x*cos + rotate_half(x)*sin`` (in the common
+    dtype of ``x`` and ``cos``)."""
     if x.shape[-1] % 2:
         raise ValueError(f"RoPE needs an even head size, got {x.shape[-1]}")
-    cos, sin = _broadcastable(x, cos), _broadcastable(x, sin)
+    x, cos, sin = _promoted(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
 
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Inverse of `apply_rope` (rotation by the negative angle): ``x*cos - rotate_half(x)*sin``."""
+    """Inverse of `apply_rope` (rotation by the negative angle): ``x*cos - rotate_half(x)*sin`` (in the
+    common dtype of ``x`` and ``cos``)."""
     if x.shape[-1] % 2:
         raise ValueError(f"RoPE needs an even head size, got {x.shape[-1]}")
-    cos, sin = _broadcastable(x, cos), _broadcastable(x, sin)
+    x, cos, sin = _promoted(x, cos, sin)
     # x*cos - rotate_half(x)*sin, half by half in place: one output-sized tensor, no temporaries
     # (compression runs it on a whole layer's prompt keys)
     half = x.shape[-1] // 2

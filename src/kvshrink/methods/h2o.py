@@ -18,7 +18,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial, merge_partials
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.cache.store import ExactStore, held_bytes
+from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes
 
 # Probability elements computed at once while scoring (bounds prefill memory: never T x T x heads).
 _SCORE_BLOCK_ELEMENTS = 1 << 23
@@ -42,8 +42,9 @@ def check_count_option(value: float, name: str, allow_zero: bool = False) -> Non
 
 
 def storage_dtype(model_dtype: torch.dtype) -> torch.dtype:
-    """Kept tokens are stored in 16 bits (the fp16 reference's precision): fp32 models store fp16."""
-    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+    """Kept tokens are stored in 16 bits (the fp16 reference's precision): fp32 models store fp16
+    (refused loudly by ``to_storage`` if a value overflows it), 16-bit models their own dtype."""
+    return exact_storage_dtype("auto", model_dtype)
 
 
 class ScoredEvictionLayer(CacheLayer):

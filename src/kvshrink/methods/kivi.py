@@ -19,7 +19,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.cache.store import held_bytes
+from kvshrink.cache.store import held_bytes, to_storage
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
 from kvshrink.methods.h2o import storage_dtype
 
@@ -43,7 +43,7 @@ class ExactTail:
         return 0 if self.keys is None else self.keys.shape[2]
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        key, value = key.to(self.dtype), value.to(self.dtype)
+        key, value = to_storage(key, self.dtype), to_storage(value, self.dtype)
         if self.keys is None:
             self.keys, self.values = key.contiguous(), value.contiguous()
         else:

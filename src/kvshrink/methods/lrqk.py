@@ -28,7 +28,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.cache.store import STORAGE_DTYPES, held_bytes
+from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -64,7 +64,7 @@ OPTIONS = {
     "slot_dtype": Option("auto", "dtype of the K/V rows in fast memory (slots, window): auto (the model's dtype "
                                  "if 16-bit, else float16, as an fp16 cache holds them), model, or "
                                  "float16/bfloat16/float32 (the slow tier keeps the model's dtype)",
-                         choices=("auto", "model", *STORAGE_DTYPES)),
+                         choices=EXACT_DTYPE_CHOICES),
     "selection": Option("proxy", "proxy (LRQK) or exact (diagnostic: exact scores read from the slow tier, "
                                  "the selection LRQK approximates)", choices=("proxy", "exact")),
     "fit_resident": Option(True, "decode: fit q̂ to reproduce the exact scores of the resident tokens (paper)"),
@@ -191,7 +191,7 @@ class LRQKLayer(CacheLayer):
         b, hkv, _, d = key.shape
         self.slow = make_slow_tier(self.slow_kind, b * hkv, d, key.dtype, self.disk_folder)
         device = self._fast_device(key)
-        dtype = _slot_dtype(self.slot_dtype_option, key.dtype)
+        dtype = exact_storage_dtype(self.slot_dtype_option, key.dtype)
         self.slots = SlotTier(b * hkv, self.top_k + self.slot_extra, d, dtype, device, self.policy)
 
     # ---- attention -----------------------------------------------------------------------------------
@@ -391,7 +391,7 @@ class LRQKLayer(CacheLayer):
             self._accumulate_grams(self._query, key, ctx)
             self._refit()
         else:
-            self._append_factors(self._k_hat.to(self.factor_dtype).unsqueeze(2))
+            self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
         self._query = None
         self._k_hat = None
 
@@ -437,7 +437,7 @@ class LRQKLayer(CacheLayer):
             k, _ = self.slow.read_range(start, stop)
             k = self._factor_keys(k.reshape(b, hkv, stop - start, -1).to(self.slots.keys.device).float())
             factors = key_factors(k.reshape(b * f, stop - start, -1), key_map).reshape(b, f, stop - start, -1)
-            self._append_factors(factors.to(self.factor_dtype))
+            self._append_factors(to_storage(factors, self.factor_dtype))
 
     def _append_factors(self, factors: torch.Tensor) -> None:
         """Append ``[B, F, n, r]`` key factors, growing the buffer in blocks."""
@@ -489,12 +489,6 @@ class LRQKLayer(CacheLayer):
         out["fast_tier_bytes"] = float(self.nbytes())
         out["slow_tier_bytes"] = float(self.slow_tier_bytes())
         return out
-
-
-def _slot_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
-    if option == "model" or (option == "auto" and model_dtype.itemsize == 2):
-        return model_dtype
-    return torch.float16 if option == "auto" else STORAGE_DTYPES[option]
 
 
 def _check_writable(folder: str) -> None:

@@ -33,7 +33,9 @@ from kvshrink.cache.store import held_bytes
 POLICIES = ("set", "lru", "attention")
 SLOW_TIERS = ("cpu", "disk")
 
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
+# numpy has no bfloat16: its 2-byte words are mapped as int16 and viewed as bfloat16 by torch
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+                 torch.bfloat16: np.int16}
 
 
 class SlowTierChanged(RuntimeError):
@@ -187,7 +189,7 @@ class DiskSlowTier(SlowTier):
         checks = torch.zeros(capacity, self.rows, dtype=torch.float64)
         checks[: self.length] = self._checksums[: self.length]
         self._checksums = checks
-        return torch.from_numpy(self._memmap)
+        return torch.from_numpy(self._memmap).view(self.dtype)
 
     def _reserve(self, needed: int) -> None:
         capacity = 0 if self._data is None else self._data.shape[0]

@@ -4,7 +4,7 @@ Per layer the cache holds ``[sinks exact][middle compressed][recent window exact
 stream:
 
 * **sinks / window**: the first ``sinks`` tokens (after any left padding) and the last ``window``
-  tokens, exact in ``exact_dtype`` (fp16 by default, as the source).
+  tokens, exact in ``exact_dtype`` (the model's dtype for 16-bit models, fp16 for fp32 ones, by default).
 * **middle** (prompt tokens that leave the window during prefill), one block per prefill chunk:
   - K: RoPE undone exactly; centred PCA per KV head (``pca_scope="head"``, the default) or of the
     keys of all KV heads stacked per token (``pca_scope="layer"``, the source's choice); bits per
@@ -64,7 +64,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import Option, register_method
-from kvshrink.cache.store import STORAGE_DTYPES, held_bytes
+from kvshrink.cache.store import EXACT_DTYPE_CHOICES, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
@@ -105,7 +105,7 @@ class ShardConfig:
     stream_bits: int = 4
     qjl: bool = False
     seed: int = 0
-    exact_dtype: str = "float16"
+    exact_dtype: str = "auto"
     min_block: int = 64
     block_tokens: int = 8192
     key_alloc: str = "layer"
@@ -137,8 +137,8 @@ class ShardConfig:
             bad(f"need v_iters >= 0 and v_sample >= v_codebook, got {self.v_iters}, {self.v_sample}")
         if self.stream_bits not in STREAM_BITS:
             bad(f"stream_bits must be one of {STREAM_BITS}, got {self.stream_bits}")
-        if self.exact_dtype not in STORAGE_DTYPES:
-            bad(f"exact_dtype must be one of {list(STORAGE_DTYPES)}, got {self.exact_dtype!r}")
+        if self.exact_dtype not in EXACT_DTYPE_CHOICES:
+            bad(f"exact_dtype must be one of {list(EXACT_DTYPE_CHOICES)}, got {self.exact_dtype!r}")
         if self.rank < 0 or self.rank > head_dim * num_kv_heads:
             bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
         if self.pca_group < 0:
@@ -189,7 +189,9 @@ OPTIONS = {
     "stream_bits": Option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS),
     "qjl": Option(False, "add a 1-bit QJL residual sketch to the decode stream"),
     "seed": Option(0, "seed of the rotations and codebooks"),
-    "exact_dtype": Option("float16", "dtype of the exact sinks and window", choices=tuple(STORAGE_DTYPES)),
+    "exact_dtype": Option("auto", "dtype of the exact sinks, window and salient tokens: 'auto' (the model's if "
+                                  "16-bit, else float16), 'model', or float16/bfloat16/float32 (float16 refuses "
+                                  "values beyond its range)", choices=EXACT_DTYPE_CHOICES),
     "min_block": Option(64, "fewest prompt tokens compressed by PCA/VQ at once (fewer go to the stream)"),
     "block_tokens": Option(8192, "middle tokens decoded at once during attention (bounds its transient memory)"),
     "key_alloc": Option("layer", "key budget: 'layer' (each layer key_bits) or 'global' (shared by all "
@@ -267,12 +269,13 @@ class ExactRun:
 
     def append(self, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
         if self.keys is None:
-            self.keys, self.values, self.start = key.to(self.dtype).contiguous(), value.to(self.dtype).contiguous(), start
+            self.keys, self.values, self.start = (to_storage(key, self.dtype).contiguous(),
+                                                  to_storage(value, self.dtype).contiguous(), start)
             return
         if start != self.start + len(self):
             raise RuntimeError(f"shard: tokens must arrive in order (expected index {self.start + len(self)}, got {start})")
-        self.keys = torch.cat([self.keys, key.to(self.dtype)], dim=2)
-        self.values = torch.cat([self.values, value.to(self.dtype)], dim=2)
+        self.keys = torch.cat([self.keys, to_storage(key, self.dtype)], dim=2)
+        self.values = torch.cat([self.values, to_storage(value, self.dtype)], dim=2)
 
     def pop_front(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Remove and return the ``n`` oldest tokens (in float32) and their first index."""
@@ -340,7 +343,8 @@ def pick_salient(observer: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     importance = observed_importance(observer, key, scaling, pool)
     index = importance.topk(count, dim=-1).indices.sort(dim=-1).values  # [B, H_kv, m]
     rows = index.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
-    return SalientTokens(index.to(torch.int32), key.gather(2, rows).to(dtype), value.gather(2, rows).to(dtype))
+    return SalientTokens(index.to(torch.int32), to_storage(key.gather(2, rows), dtype),
+                         to_storage(value.gather(2, rows), dtype))
 
 
 @dataclass
@@ -478,6 +482,7 @@ def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
     "Shard: PCA+int keys with RoPE undone, Hadamard+VQ values, exact sinks and window, TurboQuant decode stream",
     options=OPTIONS,
     build=_build,
+    undoes_rope=True,
 )
 class ShardLayer(CacheLayer):
     def __init__(self, spec: LayerSpec, shared: ShardShared):
@@ -485,7 +490,7 @@ class ShardLayer(CacheLayer):
         self.shared = shared
         self.cfg = shared.cfg
         self.h_kv, self.d = self.info.num_kv_heads, self.info.head_dim
-        dtype = STORAGE_DTYPES[self.cfg.exact_dtype]
+        dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
         self.head = ExactRun(dtype)
         self.window = ExactRun(dtype)
         self.middle: list[MiddleBlock] = []
@@ -669,7 +674,7 @@ class ShardLayer(CacheLayer):
         observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
         if self.cfg.salient > 0 and observer is not None:
             salient = pick_salient(observer, key, value, ctx.scaling, self.cfg.salient,
-                                   STORAGE_DTYPES[self.cfg.exact_dtype], self.cfg.salient_pool)
+                                   self.head.dtype, self.cfg.salient_pool)
         return MiddleBlock(start=start, n=key.shape[2], keys=keys, v_codes=v_codes, v_codebook=codebook,
                            v_scale=scale, salient=salient)
 
@@ -768,7 +773,7 @@ class ShardLayer(CacheLayer):
         return {"middle_tokens": float(sum(b.n for b in self.middle)), "stream_tokens": float(self.stream.n)}
 
     def clear(self) -> None:
-        dtype = STORAGE_DTYPES[self.cfg.exact_dtype]
+        dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
         self.head, self.window = ExactRun(dtype), ExactRun(dtype)
         self.middle, self.stream, self.decoding = [], Stream(), False
         self._query_energy = self._observer = None
