@@ -46,7 +46,7 @@ def tokens():
 def prefilled(model, method, options, prefix):
     cache = kvshrink.make_cache(method, model, **options)
     with torch.no_grad():
-        model(prefix, past_key_values=cache)
+        model(input_ids=prefix, past_key_values=cache)  # keyword: issue11 misses positional ids
     return cache
 
 
@@ -129,6 +129,18 @@ def test_loaded_cache_answers_equal_the_cache_before_saving(model, tokens, tmp_p
     want, want_logits = answer(model, cache, prefix, question)
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+
+
+def test_loaded_cache_and_fork_refuse_a_prompt_that_does_not_begin_with_the_saved_prefix(model, tokens, tmp_path):
+    prefix, question, _ = tokens
+    prefilled(model, "shard", METHODS[1][1], prefix).save(tmp_path / "doc.kvs")
+    loaded = load_cache(tmp_path / "doc.kvs", model)
+    assert torch.equal(loaded.token_ids, prefix)
+    other = prefix.clone()
+    other[0, 40] = (other[0, 40] + 1) % 128
+    for cache in (loaded.fork(), loaded):
+        with pytest.raises(kvshrink.CacheReuseError, match="does not begin with them"):
+            answer(model, cache, other, question)
 
 
 @pytest.mark.parametrize("method,options", METHODS[:3], ids=[m for m, _ in METHODS[:3]])

@@ -142,7 +142,9 @@ def _load_cached(path: str, model_name: str | None):
     start = time.perf_counter()
     cache = load_cache(path, model)
     seconds = time.perf_counter() - start
-    return model, tokenizer, cache, meta["extra"]["prefix_ids"], meta["extra"]["question_template"], seconds
+    if cache.token_ids is None:
+        raise ValueError(f"kvshrink: {path} does not hold the token ids of its document")
+    return model, tokenizer, cache, cache.token_ids[0].tolist(), meta["extra"]["question_template"], seconds
 
 
 def _cmd_compress(args: argparse.Namespace) -> int:
@@ -161,7 +163,7 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     prefill(model, cache, torch.tensor([prefix], device=model.device), args.chunk, progress=True)
     seconds = time.perf_counter() - start
-    save_cache(cache, args.out, extra={"prefix_ids": prefix, "question_template": template})
+    save_cache(cache, args.out, extra={"question_template": template})
     size = Path(args.out).stat().st_size
     print(f"{args.out}: {len(prefix)} tokens, {size:,} bytes on disk ({size / 2**20:.2f} MiB), "
           f"fp16 KV {cache.fp16_nbytes():,} bytes, ratio {cache.fp16_nbytes() / size:.2f}x "

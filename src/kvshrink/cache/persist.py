@@ -219,7 +219,7 @@ def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.
         "format": FORMAT, "format_version": FORMAT_VERSION, "kvshrink_version": _version(),
         "method": cache.method, "options": cache.options, "multi_turn": cache.multi_turn,
         "model": fingerprint, "dtype": str(cache.info.dtype).removeprefix("torch."),
-        "tokens": cache.get_seq_length(), "prefix_ids_sha256": token_ids_hash(getattr(cache, "token_ids", None)),
+        "tokens": cache.get_seq_length(), "prefix_ids_sha256": token_ids_hash(cache.token_ids),
         "nbytes": cache.nbytes(), "tensor_devices": encoder.devices, "structure": structure,
         "extra": extra or {},
     }

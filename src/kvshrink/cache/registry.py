@@ -151,12 +151,11 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     Raises ValueError for an unknown method or option (listing the valid ones) and
     NotImplementedError for a model kvshrink cannot handle.
     """
+    from kvshrink.cache.persist import model_fingerprint
     from kvshrink.models import describe_model, require_exact_rope
 
     info_m = get_method(method)
     resolved = resolve_options(info_m, options)
-    from kvshrink.cache.persist import model_fingerprint
-
     info = describe_model(model)
     if info_m.undoes_rope:
         require_exact_rope(model, info, method)
