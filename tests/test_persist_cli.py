@@ -50,7 +50,7 @@ def test_ask_answers_from_forks_equal_fresh_prefills(files, capsys, real_model):
     prefix, template = document_prompt(tokenizer, DOCUMENT)
     for i, question in enumerate(QUESTIONS, 1):
         cache = kvshrink.make_cache("shard", model, window=32)
-        prefill(model, cache, torch.tensor([prefix]), 2048)
+        prefill(model, cache, torch.tensor([prefix]), 8192)
         want, _ = answer_from(model, tokenizer, cache, prefix, question_ids(tokenizer, template, question), 12)
         assert f"A{i}: {want}\n" in out
     assert "time to first token" in out

@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="method option (repeatable, or comma separated)")
     p.add_argument("--prompt-file", required=True, help="the document (text)")
     p.add_argument("--out", required=True, help="the cache file to write (e.g. doc.kvs)")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (Shard prefills much faster in one call)")
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
     p.set_defaults(func=_cmd_compress)
 
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="the model that made the file (default: embedded SmolLM2)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the fresh prefill of document + first question (the time comparison)")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk of the fresh-prefill comparison")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk of the fresh-prefill comparison")
     p.set_defaults(func=_cmd_ask)
 
     p = sub.add_parser("demo", help="needle-in-a-haystack demo on the embedded model")
