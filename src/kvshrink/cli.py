@@ -1,4 +1,5 @@
-"""The ``kvshrink`` command: ``generate``, ``methods``, ``demo`` (and ``eval``/``report`` from kvshrink.eval)."""
+"""The ``kvshrink`` command: ``generate``, ``compress``, ``ask``, ``methods``, ``demo`` (and ``eval``/``report``
+from kvshrink.eval)."""
 
 from __future__ import annotations
 
@@ -62,10 +63,172 @@ def generate_text(model, tokenizer, prompt: str, method: str, options: dict, max
     return answer, cache, total
 
 
+# ---------------------------------------------------------------------------------- one document, many questions
+# The document is the start of one user turn of the chat template and each question ends that turn:
+# prefix = template head + document, question = "\n\n" + question + template tail (end of turn, assistant
+# header). Prefix and question are tokenized apart, so the cache's tokens are exactly the prefix's.
+_QUESTION = "{question}"
+
+
+def document_prompt(tokenizer, document: str) -> tuple[list[int], str]:
+    """Token ids of the document part of the prompt, and the template a question is put in."""
+    if getattr(tokenizer, "chat_template", None):
+        marker = "\x00KVSHRINK-DOCUMENT\x00"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                             add_generation_prompt=True)
+        head, found, tail = text.partition(marker)
+        if found:
+            ids = tokenizer(head + document, add_special_tokens=False)["input_ids"]
+            return ids, "\n\n" + _QUESTION + tail
+    return tokenizer(document)["input_ids"], "\n\nQuestion: " + _QUESTION + "\nAnswer:"
+
+
+def question_ids(tokenizer, template: str, question: str) -> list[int]:
+    return tokenizer(template.replace(_QUESTION, question.strip()), add_special_tokens=False)["input_ids"]
+
+
+def prefill(model, cache, ids, chunk: int, progress: bool = False) -> None:
+    """Run ``ids [1, n]`` into ``cache`` ``chunk`` tokens at a time (a progress bar on stderr if asked)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=ids.shape[1], unit="tok", desc="prefill", disable=not progress, file=sys.stderr)
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            bar.update(min(chunk, ids.shape[1] - start))
+    bar.close()
+
+
+class _FirstToken:
+    """A ``generate`` streamer that notes when the first new token arrives."""
+
+    def __init__(self, start: float):
+        self.start, self.calls, self.seconds = start, 0, float("nan")
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call hands over the prompt
+            self.seconds = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
+def answer_from(model, tokenizer, cache, prefix_ids: list[int], question: list[int], max_new_tokens: int,
+                start: float | None = None) -> tuple[str, float]:
+    """Greedy answer of ``question`` after ``cache`` (holding ``prefix_ids``): ``(text, seconds to first token)``,
+    counted from ``start`` (default now)."""
+    import torch
+
+    ids = torch.tensor([prefix_ids + question], device=model.device)
+    first = _FirstToken(time.perf_counter() if start is None else start)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=max_new_tokens, do_sample=False, streamer=first,
+                             pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip(), first.seconds
+
+
+def _load_cached(path: str, args: argparse.Namespace):
+    """``(model, tokenizer, cache, prefix ids, question template, load seconds)`` of a saved document.
+
+    The method's one-time set-up in this process (e.g. Shard's Lloyd-Max levels) is done first and
+    reported apart: it is paid once per process whatever the prompt, by a fresh prefill too."""
+    from kvshrink import load_model, make_cache
+    from kvshrink.cache.persist import load_cache, read_metadata
+
+    meta = read_metadata(path)  # a bad file is refused before the model is loaded
+    if "question_template" not in meta["extra"]:
+        raise ValueError(f"kvshrink: {path} was not written by `kvshrink compress` (no question template)")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    start = time.perf_counter()
+    make_cache(meta["method"], model, **meta["options"])
+    print(f"[{meta['method']} set-up, once per process: {time.perf_counter() - start:.2f} s]", file=sys.stderr)
+    start = time.perf_counter()
+    cache = load_cache(path, model)
+    seconds = time.perf_counter() - start
+    if cache.token_ids is None:
+        raise ValueError(f"kvshrink: {path} does not hold the token ids of its document")
+    return model, tokenizer, cache, cache.token_ids[0].tolist(), meta["extra"]["question_template"], seconds
+
+
+def _cmd_compress(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvshrink import load_model, make_cache
+    from kvshrink.cache.persist import save_cache
+    from kvshrink.cache.registry import get_method, resolve_options
+
+    options = _parse_options(args.option)
+    resolve_options(get_method(args.method), options)  # fail before loading the model
+    document = Path(args.prompt_file).read_text()
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    prefix, template = document_prompt(tokenizer, document)
+    cache = make_cache(args.method, model, **options)
+    start = time.perf_counter()
+    prefill(model, cache, torch.tensor([prefix], device=model.device), args.chunk, progress=True)
+    seconds = time.perf_counter() - start
+    save_cache(cache, args.out, extra={"question_template": template})
+    size = Path(args.out).stat().st_size
+    print(f"{args.out}: {len(prefix)} tokens, {size:,} bytes on disk ({size / 2**20:.2f} MiB), "
+          f"fp16 KV {cache.fp16_nbytes():,} bytes, ratio {cache.fp16_nbytes() / size:.2f}x "
+          f"(in memory {cache.compression_ratio():.2f}x); prefill {seconds:.1f} s")
+    return 0
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    from kvshrink import make_cache
+
+    questions = [q.strip() for q in Path(args.questions).read_text().splitlines() if q.strip()]
+    if not questions:
+        raise ValueError(f"kvshrink: no questions in {args.questions} (one per line)")
+    model, tokenizer, cache, prefix, template, load_s = _load_cached(args.cache, args)
+    print(f"loaded {args.cache}: {cache.summary()} in {load_s:.2f} s")
+    ttfts, answers = [], []
+    for i, question in enumerate(questions, 1):
+        start = time.perf_counter()
+        text, ttft = answer_from(model, tokenizer, cache.fork(), prefix, question_ids(tokenizer, template, question),
+                                 args.max_new_tokens, start)
+        ttfts.append(ttft)
+        answers.append(text)
+        print(f"Q{i}: {question}\nA{i}: {text}\n    [time to first token {ttft:.2f} s, from a fork of the loaded cache]")
+    mean = sum(ttfts) / len(ttfts)
+    print(f"time to first token: {mean:.2f} s mean over {len(ttfts)} questions (+ {load_s:.2f} s to load the file once)")
+    if args.baseline:
+        import torch
+
+        fresh = make_cache(cache.method, model, **cache.options)
+        start = time.perf_counter()
+        prefill(model, fresh, torch.tensor([prefix], device=model.device), args.chunk)
+        text, ttft = answer_from(model, tokenizer, fresh, prefix, question_ids(tokenizer, template, questions[0]),
+                                 args.max_new_tokens, start)
+        print(f"fresh prefill of document + Q1: time to first token {ttft:.2f} s; from the file "
+              f"{(load_s + ttfts[0]) / ttft:.1%} of it (load + Q1); same answer: {text == answers[0]}")
+    return 0
+
+
+def _generate_from_cache(args: argparse.Namespace) -> int:
+    if args.option or args.method != "full":
+        raise ValueError("kvshrink: --cache brings its own method and options; drop --method/--option")
+    question = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    model, tokenizer, cache, prefix, template, load_s = _load_cached(args.cache, args)
+    start = time.perf_counter()
+    text, ttft = answer_from(model, tokenizer, cache, prefix, question_ids(tokenizer, template, question),
+                             args.max_new_tokens, start)
+    seconds = time.perf_counter() - start
+    print(text)
+    print(f"[{cache.summary()}, loaded in {load_s:.2f} s, first token after {ttft:.2f} s, {seconds:.1f} s]",
+          file=sys.stderr if args.quiet_summary else sys.stdout)
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvshrink import load_model
     from kvshrink.cache.registry import get_method, resolve_options
 
+    if args.cache:
+        return _generate_from_cache(args)
     options = _parse_options(args.option)
     resolve_options(get_method(args.method), options)  # fail before loading the model
     if args.prompt_file:
@@ -107,8 +270,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
     p.add_argument("--quiet-summary", action="store_true", help="print the cache summary on stderr")
+    p.add_argument("--cache", default=None, metavar="FILE.kvs",
+                   help="answer the prompt as a question about the document compressed in FILE (kvshrink compress)")
     add_device_arguments(p)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("compress", help="prefill a document once and save its compressed cache to a file")
+    p.add_argument("--method", default="shard")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="method option (repeatable, or comma separated)")
+    p.add_argument("--prompt-file", required=True, help="the document (text)")
+    p.add_argument("--out", required=True, help="the cache file to write (e.g. doc.kvs)")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (Shard prefills much faster in one call)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
+    add_device_arguments(p)
+    p.set_defaults(func=_cmd_compress)
+
+    p = sub.add_parser("ask", help="answer questions (one per line) about a document compressed by `compress`")
+    p.add_argument("cache", metavar="FILE.kvs")
+    p.add_argument("--questions", required=True, help="text file, one question per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--model", default=None, help="the model that made the file (default: embedded SmolLM2)")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the fresh prefill of document + first question (the time comparison)")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk of the fresh-prefill comparison")
+    add_device_arguments(p)
+    p.set_defaults(func=_cmd_ask)
 
     p = sub.add_parser("demo", help="needle-in-a-haystack demo on the embedded model")
     p.add_argument("--length", type=int, default=3000, help="prompt length in tokens")

@@ -8,6 +8,7 @@ the new tokens, then lets the layer absorb the new tokens (``commit``). See docs
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +40,9 @@ class ModelInfo:
     @property
     def groups(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    def __deepcopy__(self, memo: dict) -> "ModelInfo":
+        return self  # immutable, and it holds the model's own rotary module: copies share it
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,17 @@ class CacheLayer(CacheLayerMixin):
     def prefetch(self):
         pass
 
+    # ---- fork / save / load (cache/persist.py) --------------------------------------------------------
+    # A layer is copied (``copy.deepcopy``) and saved (cache/persist.py) through its ``__getstate__``:
+    # a method whose layer holds derived state (tables, masks) or resources (threads, files) overrides
+    # ``__getstate__``/``__setstate__`` to leave them out, and rebuilds derived state in ``after_load``.
+    def shared_on_fork(self) -> list[Any]:
+        """Objects a fork may share with its parent instead of copying: never modified once made."""
+        return []
+
+    def after_load(self) -> None:
+        """Called on every layer once a saved cache is rebuilt (rebuild derived state here)."""
+
 
 def _preview(ids: torch.Tensor, shown: int = 6) -> str:
     """The first ids of row 0, for error messages."""
@@ -247,6 +262,16 @@ class CacheAccounting:
         held = self.nbytes()
         return self.fp16_nbytes() / held if held else float("nan")
 
+    def fork(self):
+        """An independent copy of this cache: a new prompt extending its tokens leaves this one unchanged."""
+        return copy.deepcopy(self)
+
+    def save(self, path) -> None:
+        """Write this cache to one file (see ``kvshrink.load_cache``)."""
+        from kvshrink.cache.persist import save_cache
+
+        save_cache(self, path)
+
     def summary(self) -> str:
         return (f"{self.method}: {self.get_seq_length()} tokens, {self.nbytes() / 2**20:.2f} MiB held, "
                 f"fp16 {self.fp16_nbytes() / 2**20:.2f} MiB, ratio {self.compression_ratio():.2f}x")
@@ -274,6 +299,20 @@ class KVShrinkCache(CacheAccounting, Cache):
         self._token_ids: torch.Tensor | None = None
         self._ids_known = True
         self._incoming_ids: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_ctx"] = None  # one step's context (holds the model's rotary module): rebuilt next step
+        return state
+
+    def fork(self) -> "KVShrinkCache":
+        """A copy that shares the parent's immutable compressed blocks (``CacheLayer.shared_on_fork``) and
+        copies everything a new prompt may change; the parent is never modified."""
+        memo: dict[int, Any] = {}
+        for layer in self.layers:
+            for obj in layer.shared_on_fork():
+                memo[id(obj)] = obj
+        return copy.deepcopy(self, memo)
 
     def __repr__(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())

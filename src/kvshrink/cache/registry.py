@@ -270,6 +270,7 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     Raises ValueError for an unknown method or option (listing the valid ones) and
     NotImplementedError for a model kvshrink cannot handle.
     """
+    from kvshrink.cache.persist import model_fingerprint
     from kvshrink.models import describe_model, require_exact_rope
 
     info_m = get_method(method)
@@ -277,7 +278,9 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     info = describe_model(model)
     if info_m.undoes_rope:
         require_exact_rope(model, info, method)
-    return info_m.build(model, info, **resolved)
+    cache = info_m.build(model, info, **resolved)
+    cache.model_fingerprint = model_fingerprint(model)  # cache.save() records which model made it
+    return cache
 
 
 def split_specs(text: str) -> list[str]:

@@ -87,6 +87,12 @@ class MeasuredQuantizedCache(CacheAccounting, QuantizedCache):
         exact = keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
         return {"exact_tokens": float(exact), "quantized_tokens": float(self.get_seq_length() - exact)}
 
+    def __deepcopy__(self, memo: dict):
+        raise NotImplementedError(
+            "kvshrink: an 'hf-quantized' cache cannot be copied, forked or saved: the quantized tensors of "
+            "its backends do not support copy.deepcopy; use method 'kivi' (the same 2/4-bit group "
+            "quantization, built from kvshrink layers) to reuse a quantized prefix")
+
     def __repr__(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())
         return f"MeasuredQuantizedCache(hf-quantized:{opts}, tokens={self.get_seq_length()})"

@@ -156,6 +156,12 @@ class LRQKLayer(CacheLayer):
                          "recall_sum": 0.0, "oracle_sum": 0.0, "recall_count": 0}
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
+    def __getstate__(self) -> dict:
+        """Without the prefetch thread or a background load in flight (they only save copies: a copy
+        answers the same without them)."""
+        self._drain_prefetch()
+        return {**self.__dict__, "_pool": None, "_prefetched": None}
+
     def close(self) -> None:
         """Release both tiers (deletes the disk tier's folder)."""
         self.clear()

@@ -120,6 +120,20 @@ class SlowTier:
         self._data = None
         self.length = 0
 
+    # ---- copy / save (copy.deepcopy, cache/persist.py) ---------------------------------------------------
+    def __getstate__(self) -> dict:
+        """The tokens held (``[length, rows, 2, d]``, a copy), without the lock or unused capacity."""
+        with self._lock:
+            if self._data is not None:
+                self._check(0, self.length)
+            state = {k: v for k, v in self.__dict__.items() if k != "_lock"}
+            state["_data"] = None if self._data is None else self._data[: self.length].clone()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ---- hooks for the disk tier -----------------------------------------------------------------
     def _after_write(self, start: int, stop: int) -> None:
         pass
@@ -219,6 +233,23 @@ class DiskSlowTier(SlowTier):
         self._memmap = None
         self.length = 0
         self._finalizer()
+
+    def __getstate__(self) -> dict:
+        """The tokens (checked against the file's checksums) and where to make a new file: a copy never
+        shares, and so never changes, this tier's file."""
+        state = super().__getstate__()
+        state = {k: state[k] for k in ("rows", "head_dim", "dtype", "length", "_data")}
+        state["parent_folder"] = os.path.dirname(self.folder)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        DiskSlowTier.__init__(self, state["rows"], state["head_dim"], state["dtype"], state["parent_folder"])
+        data = state["_data"]
+        if data is not None and state["length"]:
+            self._reserve(state["length"])
+            self.data[: state["length"]].copy_(data)
+            self._after_write(0, state["length"])
+            self.length = state["length"]
 
 
 def make_slow_tier(kind: str, rows: int, head_dim: int, dtype: torch.dtype,

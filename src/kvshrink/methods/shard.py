@@ -222,6 +222,9 @@ class ShardShared:
     def end_of_step(self) -> None:
         self._rope_ctx, self._rope_memo = None, {}
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_rope_ctx": None, "_rope_memo": {}}  # one step's memo is not state
+
 
 # ----------------------------------------------------------------------------------------------- segments
 class ExactRun:
@@ -477,6 +480,9 @@ class ShardLayer(CacheLayer):
         self.decoding = False
         self._query_energy: torch.Tensor | None = None   # key_weights="query": [H_kv, d] of the prompt
         self._observer: torch.Tensor | None = None       # salient > 0: the chunk's last queries, grouped
+
+    def shared_on_fork(self) -> list:
+        return list(self.middle)  # a compressed block is never changed once made
 
     # ---- attention ---------------------------------------------------------------------------------
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:

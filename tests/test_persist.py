@@ -1,0 +1,285 @@
+"""Fork, save and load of caches (cache/persist.py): one document, many questions."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kvshrink
+from kvshrink.cache.persist import CacheFileError, load_cache, save_cache
+
+from conftest import greedy, prompts, tiny_model
+
+PREFIX, QUESTION, NEW = 96, 12, 6
+
+# Options that make every method compress / evict / quantize inside the 96-token prefix of a tiny model.
+METHODS = [
+    ("full", {}),
+    ("shard", {"sinks": 2, "window": 8, "min_block": 16, "v_codebook": 16}),
+    ("streaming", {"sinks": 2, "window": 16}),
+    ("h2o", {"budget": 24}),
+    ("scissorhands", {"budget": 24}),
+    ("kivi", {"group": 16, "residual": 16}),
+    ("turboquant", {"residual": 8}),
+    ("lrqk", {"top_k": 16, "window": 8, "prefill_chunk": 32}),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    prefix, question, other = prompts([PREFIX, QUESTION, QUESTION], seed=3)
+    return prefix[None], question[None], other[None]
+
+
+def prefilled(model, method, options, prefix):
+    cache = kvshrink.make_cache(method, model, **options)
+    with torch.no_grad():
+        model(input_ids=prefix, past_key_values=cache)  # keyword: issue11 misses positional ids
+    return cache
+
+
+def answer(model, cache, prefix, question):
+    """Greedy tokens and logits of ``question`` after a cache holding ``prefix``."""
+    ids = torch.cat([prefix, question], dim=1)
+    seq, logits = greedy(model, ids, torch.ones_like(ids), cache, new_tokens=NEW)
+    return seq[:, ids.shape[1]:], logits
+
+
+def state_bytes(cache) -> dict[str, torch.Tensor]:
+    """Every tensor the cache holds, by where it sits (to check that a parent is untouched)."""
+    from kvshrink.cache.persist import _Encoder
+
+    enc = _Encoder()
+    enc.encode(cache.__getstate__(), "cache")
+    return enc.tensors
+
+
+# ----------------------------------------------------------------------------------------------- fork
+@pytest.mark.parametrize("method,options", METHODS, ids=[m for m, _ in METHODS])
+def test_fork_answers_equal_two_call_prefill_and_parent_is_unchanged(model, tokens, method, options):
+    prefix, question, other = tokens
+    parent = prefilled(model, method, options, prefix)
+    before = state_bytes(parent)
+    for make_copy in (lambda c: c.fork(), copy.deepcopy):
+        for q in (question, other):
+            got, got_logits = answer(model, make_copy(parent), prefix, q)
+            want, want_logits = answer(model, prefilled(model, method, options, prefix), prefix, q)
+            assert torch.equal(got, want)
+            torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    after = state_bytes(parent)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert parent.get_seq_length() == PREFIX
+
+
+def test_full_fork_answers_equal_fresh_prefill_of_prefix_and_question(model, tokens):
+    prefix, question, _ = tokens
+    parent = prefilled(model, "full", {}, prefix)
+    got, _ = answer(model, parent.fork(), prefix, question)
+    ids = torch.cat([prefix, question], dim=1)
+    fresh, _ = greedy(model, ids, torch.ones_like(ids), kvshrink.make_cache("full", model), new_tokens=NEW)
+    assert torch.equal(got, fresh[:, ids.shape[1]:])
+
+
+def test_shard_fork_shares_compressed_blocks_and_copies_the_rest(model, tokens):
+    prefix, question, _ = tokens
+    parent = prefilled(model, "shard", METHODS[1][1], prefix)
+    child = parent.fork()
+    assert parent.layers[0].middle and child.layers[0].middle[0] is parent.layers[0].middle[0]
+    assert child.layers[0].window is not parent.layers[0].window
+    assert child.info is parent.info  # the model's rotary module is shared, not copied
+    assert copy.deepcopy(parent).layers[0].middle[0] is not parent.layers[0].middle[0]
+
+
+def test_lrqk_disk_tier_fork_gets_its_own_file(model, tokens, tmp_path):
+    prefix, question, _ = tokens
+    options = {**METHODS[-1][1], "slow_tier": "disk", "disk_folder": str(tmp_path)}
+    parent = prefilled(model, "lrqk", options, prefix)
+    child = parent.fork()
+    assert child.layers[0].slow.path != parent.layers[0].slow.path
+    got, _ = answer(model, child, prefix, question)
+    want, _ = answer(model, prefilled(model, "lrqk", options, prefix), prefix, question)
+    assert torch.equal(got, want)
+    parent.layers[0].slow._check(0, parent.layers[0].slow.length)  # the parent's file is intact
+    for c in (parent, child):
+        c.close()
+
+
+# ----------------------------------------------------------------------------------------------- save/load
+@pytest.mark.parametrize("method,options", METHODS, ids=[m for m, _ in METHODS])
+def test_loaded_cache_answers_equal_the_cache_before_saving(model, tokens, tmp_path, method, options):
+    prefix, question, _ = tokens
+    cache = prefilled(model, method, options, prefix)
+    path = tmp_path / "doc.kvs"
+    cache.save(path)
+    loaded = load_cache(path, model)
+    assert loaded.get_seq_length() == PREFIX and loaded.method == method
+    got, got_logits = answer(model, loaded, prefix, question)
+    want, want_logits = answer(model, cache, prefix, question)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+
+
+def test_loaded_cache_and_fork_refuse_a_prompt_that_does_not_begin_with_the_saved_prefix(model, tokens, tmp_path):
+    prefix, question, _ = tokens
+    prefilled(model, "shard", METHODS[1][1], prefix).save(tmp_path / "doc.kvs")
+    loaded = load_cache(tmp_path / "doc.kvs", model)
+    assert torch.equal(loaded.token_ids, prefix)
+    other = prefix.clone()
+    other[0, 40] = (other[0, 40] + 1) % 128
+    for cache in (loaded.fork(), loaded):
+        with pytest.raises(kvshrink.CacheReuseError, match="does not begin with them"):
+            answer(model, cache, other, question)
+
+
+@pytest.mark.parametrize("method,options", METHODS[:3], ids=[m for m, _ in METHODS[:3]])
+def test_file_size_is_close_to_nbytes(model, tokens, tmp_path, method, options):
+    cache = prefilled(model, method, options, torch.cat([tokens[0]] * 4, dim=1))
+    path = tmp_path / "doc.kvs"
+    cache.save(path)
+    size = path.stat().st_size
+    # the JSON structure is a few KiB whatever the length; at this tiny size allow it on top of 3%
+    assert cache.nbytes() * 0.97 <= size <= cache.nbytes() * 1.03 + 64 * 1024, (size, cache.nbytes())
+
+
+def test_hf_quantized_fork_and_save_are_refused_naming_it(model, tokens, tmp_path):
+    pytest.importorskip("optimum.quanto")
+    parent = prefilled(model, "hf-quantized", {"backend": "quanto", "group": 16, "residual": 16}, tokens[0])
+    for attempt in (parent.fork, lambda: copy.deepcopy(parent)):
+        with pytest.raises(NotImplementedError, match="'hf-quantized' cache cannot be copied, forked"):
+            attempt()
+    with pytest.raises(NotImplementedError, match="saving a 'hf-quantized' cache is not supported"):
+        parent.save(tmp_path / "q.kvs")
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+@pytest.fixture
+def saved(model, tokens, tmp_path):
+    cache = prefilled(model, "shard", METHODS[1][1], tokens[0])
+    path = tmp_path / "doc.kvs"
+    cache.save(path)
+    return path
+
+
+def test_missing_file_is_refused(model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no cache file"):
+        load_cache(tmp_path / "nothing.kvs", model)
+
+
+def test_another_model_is_refused(saved):
+    with pytest.raises(CacheFileError, match="made with another model"):
+        load_cache(saved, tiny_model(seed=1))
+
+
+def test_another_dtype_is_refused(saved):
+    with pytest.raises(CacheFileError, match="made with the model in float32, this model is in bfloat16"):
+        load_cache(saved, tiny_model().to(torch.bfloat16))
+
+
+def _rewrite_metadata(path, change):
+    import json
+
+    from safetensors.torch import load_file, safe_open, save_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        metadata = fh.metadata()
+    meta = json.loads(metadata["kvshrink"])
+    change(meta)
+    metadata["kvshrink"] = json.dumps(meta, sort_keys=True)
+    return load_file(str(path)), metadata, save_file
+
+
+def test_another_format_version_is_refused(saved):
+    from kvshrink.cache.persist import _checksum
+
+    tensors, metadata, save_file = _rewrite_metadata(saved, lambda m: m.update(format_version=99))
+    metadata["sha256"] = _checksum(metadata["kvshrink"], tensors)  # a well-formed file of another version
+    save_file(tensors, str(saved), metadata=metadata)
+    with pytest.raises(CacheFileError, match="format version 99"):
+        load_cache(saved, tiny_model())
+
+
+def test_edited_metadata_is_refused_by_the_checksum(saved):
+    tensors, metadata, save_file = _rewrite_metadata(saved, lambda m: m.update(tokens=1))
+    save_file(tensors, str(saved), metadata=metadata)
+    with pytest.raises(CacheFileError, match="checksum mismatch"):
+        load_cache(saved, tiny_model())
+
+
+def test_truncated_file_is_refused(saved):
+    data = saved.read_bytes()
+    saved.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CacheFileError, match="truncated or corrupted"):
+        load_cache(saved, tiny_model())
+
+
+def test_flipped_tensor_byte_is_refused(saved):
+    data = bytearray(saved.read_bytes())
+    data[-10] ^= 0x40  # in the last tensor's bytes
+    saved.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="checksum mismatch"):
+        load_cache(saved, tiny_model())
+
+
+def test_a_class_outside_kvshrink_is_never_instantiated(saved):
+    from kvshrink.cache.persist import _checksum
+
+    def plant(meta):
+        meta["structure"]["dict"].append(["evil", {"obj": "os:system", "id": 999, "state": {"dict": []}}])
+
+    tensors, metadata, save_file = _rewrite_metadata(saved, plant)
+    metadata["sha256"] = _checksum(metadata["kvshrink"], tensors)
+    save_file(tensors, str(saved), metadata=metadata)
+    with pytest.raises(CacheFileError, match="outside kvshrink"):
+        load_cache(saved, tiny_model())
+
+
+def test_a_cache_holding_something_unknown_is_refused_naming_where(model, tokens, tmp_path):
+    cache = prefilled(model, "full", {}, tokens[0])
+    cache.layers[1].note = object()
+    with pytest.raises(TypeError, match=r"cannot save builtins.object held at cache.*\[1\].*note"):
+        cache.save(tmp_path / "x.kvs")
+    assert not list(tmp_path.iterdir())
+
+
+def test_writer_killed_mid_write_keeps_the_old_file_under_the_final_name(model, tokens, tmp_path):
+    """kill -9 while a save is on its way to disk: the final name still holds the previous, loadable file."""
+    final = tmp_path / "doc.kvs"
+    prefilled(model, "full", {}, tokens[0]).save(final)
+    old = final.read_bytes()
+    script = textwrap.dedent(f"""
+        import os, sys, time, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from conftest import tiny_model
+        import kvshrink
+        model = tiny_model()
+        cache = kvshrink.make_cache("full", model)
+        with torch.no_grad():
+            model(torch.randint(3, 100, (1, 40)), past_key_values=cache)
+        def stall(fd):  # the bytes are written, the file is not yet in place: be killed here
+            print("writing", flush=True)
+            time.sleep(60)
+        os.fsync = stall
+        cache.save({str(final)!r})
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"writing"
+        assert any(p.name.endswith(".tmp") and p.stat().st_size > 0 for p in tmp_path.iterdir())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert final.read_bytes() == old
+    assert load_cache(final, model).get_seq_length() == PREFIX
