@@ -163,8 +163,15 @@ def test_float16_storage_of_a_bf16_model_refuses_values_beyond_its_range():
     mask = torch.ones(1, 20, dtype=torch.long)
     with pytest.raises(ValueError, match="beyond float16's range .* 'model'"):
         greedy(model, a[None], mask, kvshrink.make_cache("full", model, dtype="float16"))
-    with pytest.raises(ValueError, match="beyond float16's range"):
-        greedy(model, a[None], mask, kvshrink.make_cache("shard", model, exact_dtype="float16"))
+    for method, options in [("shard", {"exact_dtype": "float16"}),
+                            ("lrqk", {"slot_dtype": "float16", "top_k": 4, "window": 4})]:
+        with pytest.raises(ValueError, match="beyond float16's range"):
+            greedy(model, a[None], mask, kvshrink.make_cache(method, model, **options))
+    fp32 = model.float()  # an fp32 model's kept tokens go to float16 by default: refused, not inf
+    for method, options in [("h2o", {"budget": 8}), ("kivi", {"group": 16, "residual": 16})]:
+        with pytest.raises(ValueError, match="beyond float16's range"):
+            greedy(fp32, a[None], mask, kvshrink.make_cache(method, fp32, **options))
+    model = fp32.to(torch.bfloat16)
     ref, ref_logits = greedy(model, a[None], mask, kvshrink.make_cache("full", model))
     for method, options in [("shard", {}), ("streaming", {}), ("h2o", {}), ("kivi", {"group": 16}), ("lrqk", {})]:
         seq, logits = greedy(model, a[None], mask, kvshrink.make_cache(method, model, **options))  # bf16 kept bf16

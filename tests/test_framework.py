@@ -150,7 +150,8 @@ def test_prefill_only_cache_refuses_an_unrelated_prompt():
     a, b = prompts([12, 20])
     cache = kvshrink.make_cache("full", model)
     with torch.no_grad():
-        model(input_ids=a[None], past_key_values=cache)
+        model(a[None, :5], past_key_values=cache)  # positional ids are seen too
+        model(input_ids=a[None, 5:], past_key_values=cache)
     assert torch.equal(cache.token_ids, a[None])
     with pytest.raises(kvshrink.CacheReuseError, match=r"holds 12 tokens \(ids \[.*\]\); the new input has 20"):
         greedy(model, b[None], torch.ones(1, 20, dtype=torch.long), cache)

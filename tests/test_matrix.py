@@ -128,3 +128,33 @@ def test_left_padded_batch_decodes_each_row_as_alone(method):
             alone = model.generate(input_ids=row[None], past_key_values=kvshrink.make_cache(method, model, **options),
                                    max_new_tokens=STEPS, do_sample=False, pad_token_id=0, eos_token_id=None)
             assert torch.equal(batch[i, -STEPS:], alone[0, -STEPS:]), f"row {i} differs"
+
+
+# Settings that really compress these prompts. Shard and LRQK fit their codes / factors over the whole
+# batch (PCA bases, bit allocation, value scales; LRQK's factorization and its stopping test), so a row
+# of a padded batch is compressed differently than alone: a known gap, kept here as a strict xfail so
+# the test turns red (and the mark must go) once a fix makes rows independent.
+COMPRESSING = [
+    ("streaming", {"sinks": 2, "window": 16}),
+    ("h2o", {"budget": 24, "recent": 8}),
+    ("scissorhands", {"budget": 24, "recent": 8}),
+    ("kivi", {"bits": 2, "group": 16, "residual": 16}),
+    ("turboquant", {"key_bits": 3, "value_bits": 3}),
+    pytest.param("shard", {}, marks=pytest.mark.xfail(strict=True, reason="codes fit over the whole batch")),
+    pytest.param("lrqk", {"top_k": 16, "window": 8},
+                 marks=pytest.mark.xfail(strict=True, reason="factorization fit over the whole batch")),
+]
+
+
+@pytest.mark.parametrize("method,options", COMPRESSING)
+def test_left_padded_batch_decodes_each_row_as_alone_while_compressing(method, options):
+    model = build("llama")
+    rows = prompts([220, 180, 140], seed=6)
+    ids, mask = left_pad(rows)
+    with torch.no_grad():
+        batch = model.generate(input_ids=ids, attention_mask=mask, past_key_values=kvshrink.make_cache(
+            method, model, **options), max_new_tokens=STEPS, do_sample=False, pad_token_id=0, eos_token_id=None)
+        for i, row in enumerate(rows):
+            alone = model.generate(input_ids=row[None], past_key_values=kvshrink.make_cache(method, model, **options),
+                                   max_new_tokens=STEPS, do_sample=False, pad_token_id=0, eos_token_id=None)
+            assert torch.equal(batch[i, -STEPS:], alone[0, -STEPS:]), f"row {i} differs"

@@ -114,7 +114,7 @@ def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict, signature
     current = _attention_of(model)
     if current != ATTENTION_NAME:  # the user may have changed it since install: remember their choice
         setattr(model, _USER_ATTENTION, current)
-    bound = kwargs if "past_key_values" in kwargs or not args else signature.bind_partial(*args, **kwargs).arguments
+    bound = signature.bind_partial(*args, **kwargs).arguments if args else kwargs
     caches = kvshrink_caches(bound.get("past_key_values"))
     if not caches:
         _use_attention(model, getattr(model, _USER_ATTENTION))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvshrink.cache.store import held_bytes
+from kvshrink.cache.store import held_bytes, to_storage
 
 POLICIES = ("set", "lru", "attention")
 SLOW_TIERS = ("cpu", "disk")
@@ -344,8 +344,8 @@ class SlotTier:
                 moved = loaded.numel() * loaded.element_size()
             fill = fill.to(self.keys.device, non_blocking=True)
             flat = row_idx * self.capacity + dest
-            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0].to(self.keys.dtype))
-            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1].to(self.values.dtype))
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, to_storage(fill[:, 0], self.keys.dtype))
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, to_storage(fill[:, 1], self.values.dtype))
             self.token.view(-1).index_copy_(0, flat, tokens)
             self.score.view(-1).index_fill_(0, flat, 0.0)
         self.chosen = in_selection.gather(1, _map_index(self.token, span))
