@@ -107,6 +107,8 @@ class ExactStore:
     def append(self, key: torch.Tensor, value: torch.Tensor, index: torch.Tensor) -> None:
         """Add tokens ``[B, H_kv, q, d]`` whose indices are ``index`` (``[q]`` or ``[B, q]``)."""
         key, value = to_storage(key, self.dtype), to_storage(value, self.dtype)
+        if self.keys is None and self.index is None and index.dim() == 1:
+            self.start = int(index[0])  # an empty store starts where its first tokens do (e.g. a window)
         contiguous = index.dim() == 1 and self.index is None and int(index[0]) == self.start + len(self)
         if not contiguous:
             self._materialise_index(key.shape[0])

@@ -65,7 +65,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import EXACT_DTYPE_CHOICES, exact_storage_dtype, held_bytes, to_storage
+from kvshrink.cache.store import EXACT_DTYPE_CHOICES, ExactStore, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import fused
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
 from kvshrink.codecs.hadamard import RandomRotation
@@ -227,46 +227,6 @@ class ShardShared:
 
 
 # ----------------------------------------------------------------------------------------------- segments
-class ExactRun:
-    """Exact keys/values ``[B, H_kv, n, d]`` of the contiguous token indices ``start .. start+n-1``."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.start = 0
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
-        if self.keys is None:
-            self.keys, self.values, self.start = (to_storage(key, self.dtype).contiguous(),
-                                                  to_storage(value, self.dtype).contiguous(), start)
-            return
-        if start != self.start + len(self):
-            raise RuntimeError(f"shard: tokens must arrive in order (expected index {self.start + len(self)}, got {start})")
-        self.keys = torch.cat([self.keys, to_storage(key, self.dtype)], dim=2)
-        self.values = torch.cat([self.values, to_storage(value, self.dtype)], dim=2)
-
-    def pop_front(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Remove and return the ``n`` oldest tokens (in float32) and their first index."""
-        k, v, start = self.keys[:, :, :n].float(), self.values[:, :, :n].float(), self.start
-        if n == len(self):
-            self.keys = self.values = None
-        else:  # clone: a view would keep the whole old storage alive
-            self.keys, self.values = self.keys[:, :, n:].clone(), self.values[:, :, n:].clone()
-        self.start += n
-        return k, v, start
-
-    def partial(self, query: torch.Tensor, scaling: float, pad_len: torch.Tensor | None) -> Partial:
-        index = torch.arange(self.start, self.start + len(self), device=self.keys.device)
-        return exact_partial(query, self.keys, self.values, scaling, key_index=index, pad_len=pad_len)
-
-    def tensors(self) -> list[torch.Tensor | None]:
-        return [self.keys, self.values]
-
-
 @dataclass
 class SalientTokens:
     """Middle tokens kept exact, chosen per KV head: block rows ``index [B, H_kv, m]`` (int32) and their
@@ -339,7 +299,7 @@ class MiddleBlock:
 
 
 @dataclass
-class Stream:
+class TurboSegment:
     """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt)."""
 
     keys: TurboCode | None = None
@@ -352,8 +312,8 @@ class Stream:
         if self.keys is None:
             self.keys, self.values, self.n = k, v, n
             return
-        self.keys = _cat_codes(self.keys, k)
-        self.values = _cat_codes(self.values, v)
+        self.keys = TurboCode.cat(self.keys, k)
+        self.values = TurboCode.cat(self.values, v)
         self.n += n
 
     def index(self, device) -> torch.Tensor:
@@ -361,14 +321,6 @@ class Stream:
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.keys is None else self.keys.tensors() + self.values.tensors()
-
-
-def _cat_codes(a: TurboCode, b: TurboCode) -> TurboCode:
-    def cat(x, y):
-        return None if x is None else torch.cat([x, y], dim=2)
-
-    return TurboCode(norm=cat(a.norm, b.norm), codes=cat(a.codes, b.codes),
-                     qjl_signs=cat(a.qjl_signs, b.qjl_signs), qjl_norm=cat(a.qjl_norm, b.qjl_norm))
 
 
 def _stacked_codes(codes: list[PCACode]) -> torch.Tensor:
@@ -473,10 +425,10 @@ class ShardLayer(CacheLayer):
         self.cfg = shared.cfg
         self.h_kv, self.d = self.info.num_kv_heads, self.info.head_dim
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
-        self.head = ExactRun(dtype)
-        self.window = ExactRun(dtype)
+        self.sinks = ExactStore(dtype)
+        self.window = ExactStore(dtype)
         self.middle: list[MiddleBlock] = []
-        self.stream = Stream()
+        self.stream = TurboSegment()
         self.decoding = False
         self._query_energy: torch.Tensor | None = None   # key_weights="query": [H_kv, d] of the prompt
         self._observer: torch.Tensor | None = None       # salient > 0: the chunk's last queries, grouped
@@ -503,7 +455,7 @@ class ShardLayer(CacheLayer):
     def exact_partial(self, query: torch.Tensor, ctx: StepContext) -> Partial | None:
         """One exact attention over the sinks, the salient middle tokens and the window together (they
         are few: one kernel call and one partial to merge per layer and step)."""
-        runs = [run for run in (self.head, self.window) if len(run)]
+        runs = [run for run in (self.sinks, self.window) if len(run)]
         salient = [block for block in self.middle if block.salient is not None]
         if not runs and not salient:
             return None
@@ -513,7 +465,7 @@ class ShardLayer(CacheLayer):
         keys, values, index = [], [], []
         for run in runs:
             keys.append(run.keys), values.append(run.values)
-            index.append(torch.arange(run.start, run.start + len(run), device=device))
+            index.append(run.token_index())
         for block in salient:
             # rows differ per head, but the index only serves the padding mask: middle tokens are never
             # padding, so the block's first index stands for all of them
@@ -642,16 +594,17 @@ class ShardLayer(CacheLayer):
         first = ctx.past_len
         # With left padding the sinks are each row's first real tokens: keep every index below
         # max(pad) + sinks exact (padding included, masked in attention).
-        head_len = self.cfg.sinks + (int(ctx.pad_len.max()) if ctx.pad_len is not None else 0)
-        to_head = max(0, min(q, head_len - first))
-        if to_head:
-            self.head.append(key[:, :, :to_head], value[:, :, :to_head], first)
-        if to_head < q:
-            self.window.append(key[:, :, to_head:], value[:, :, to_head:], first + to_head)
+        sinks_len = self.cfg.sinks + (int(ctx.pad_len.max()) if ctx.pad_len is not None else 0)
+        to_sinks = max(0, min(q, sinks_len - first))
+        if to_sinks:
+            self.sinks.append(key[:, :, :to_sinks], value[:, :, :to_sinks], ctx.new_index[:to_sinks])
+        if to_sinks < q:
+            self.window.append(key[:, :, to_sinks:], value[:, :, to_sinks:], ctx.new_index[to_sinks:])
         overflow = len(self.window) - self.cfg.window
         if overflow <= 0:
             return
-        k, v, start = self.window.pop_front(overflow)
+        start = self.window.start
+        k, v = (x.float() for x in self.window.pop_front(overflow))
         if not self.decoding and overflow >= self.cfg.min_block:
             self.middle.append(self.compress_block(k, v, start, ctx))
         else:
@@ -702,7 +655,7 @@ class ShardLayer(CacheLayer):
         observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
         if self.cfg.salient > 0 and observer is not None:
             salient = pick_salient(observer, key, value, ctx.scaling, self.cfg.salient,
-                                   self.head.dtype, self.cfg.salient_pool)
+                                   self.sinks.dtype, self.cfg.salient_pool)
         return MiddleBlock(start=start, n=key.shape[2], keys=keys, v_codes=v_codes, v_codebook=codebook,
                            v_scale=scale, salient=salient)
 
@@ -759,10 +712,10 @@ class ShardLayer(CacheLayer):
         """
         keys, values, index = [], [], []
         device = ctx.offset.device
-        for run in (self.head,):
+        for run in (self.sinks,):
             if len(run):
                 keys.append(run.keys.float()), values.append(run.values.float())
-                index.append(torch.arange(run.start, run.start + len(run), device=device))
+                index.append(run.token_index())
         for block in self.middle:
             k = self.middle_keys(block, 0, block.n, ctx)
             b, h = block.v_codes.shape[:2]
@@ -780,12 +733,12 @@ class ShardLayer(CacheLayer):
             index.append(self.stream.index(device))
         if len(self.window):
             keys.append(self.window.keys.float()), values.append(self.window.values.float())
-            index.append(torch.arange(self.window.start, self.window.start + len(self.window), device=device))
+            index.append(self.window.token_index())
         return torch.cat(keys, 2), torch.cat(values, 2), torch.cat(index)
 
     # ---- accounting -------------------------------------------------------------------------------------
     def breakdown(self) -> dict[str, int]:
-        out = {"sinks": held_bytes(self.head.tensors()), "window": held_bytes(self.window.tensors())}
+        out = {"sinks": held_bytes(self.sinks.tensors()), "window": held_bytes(self.window.tensors())}
         for kind in ("k_codes", "k_scales", "k_bases", "v_codes", "v_scales", "v_codebooks", "salient"):
             out[f"middle_{kind}"] = 0
         for block in self.middle:
@@ -805,6 +758,6 @@ class ShardLayer(CacheLayer):
 
     def clear(self) -> None:
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
-        self.head, self.window = ExactRun(dtype), ExactRun(dtype)
-        self.middle, self.stream, self.decoding = [], Stream(), False
+        self.sinks, self.window = ExactStore(dtype), ExactStore(dtype)
+        self.middle, self.stream, self.decoding = [], TurboSegment(), False
         self._query_energy = self._observer = None
