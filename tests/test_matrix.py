@@ -115,11 +115,10 @@ def test_every_method_runs_in_half_precision_within_the_same_bound(method, dtype
     assert relative_error(got, want) <= bound + HALF_SLACK, relative_error(got, want)
 
 
-@pytest.mark.parametrize("method", list(NEAR_LOSSLESS))
-def test_left_padded_batch_decodes_each_row_as_alone(method):
-    options, _ = NEAR_LOSSLESS[method]
+def assert_rows_decode_as_alone(method: str, options: dict, lengths: list[int]) -> None:
+    """Greedy tokens of each row of a left-padded batch == the same row decoded alone."""
     model = build("llama")
-    rows = prompts([PROMPT, PROMPT - 30, PROMPT - 61], seed=6)
+    rows = prompts(lengths, seed=6)
     ids, mask = left_pad(rows)
     with torch.no_grad():
         batch = model.generate(input_ids=ids, attention_mask=mask, past_key_values=kvshrink.make_cache(
@@ -128,6 +127,11 @@ def test_left_padded_batch_decodes_each_row_as_alone(method):
             alone = model.generate(input_ids=row[None], past_key_values=kvshrink.make_cache(method, model, **options),
                                    max_new_tokens=STEPS, do_sample=False, pad_token_id=0, eos_token_id=None)
             assert torch.equal(batch[i, -STEPS:], alone[0, -STEPS:]), f"row {i} differs"
+
+
+@pytest.mark.parametrize("method", list(NEAR_LOSSLESS))
+def test_left_padded_batch_decodes_each_row_as_alone(method):
+    assert_rows_decode_as_alone(method, NEAR_LOSSLESS[method][0], [PROMPT, PROMPT - 30, PROMPT - 61])
 
 
 # Settings that really compress these prompts. Shard and LRQK fit their codes / factors over the whole
@@ -148,13 +152,4 @@ COMPRESSING = [
 
 @pytest.mark.parametrize("method,options", COMPRESSING)
 def test_left_padded_batch_decodes_each_row_as_alone_while_compressing(method, options):
-    model = build("llama")
-    rows = prompts([220, 180, 140], seed=6)
-    ids, mask = left_pad(rows)
-    with torch.no_grad():
-        batch = model.generate(input_ids=ids, attention_mask=mask, past_key_values=kvshrink.make_cache(
-            method, model, **options), max_new_tokens=STEPS, do_sample=False, pad_token_id=0, eos_token_id=None)
-        for i, row in enumerate(rows):
-            alone = model.generate(input_ids=row[None], past_key_values=kvshrink.make_cache(method, model, **options),
-                                   max_new_tokens=STEPS, do_sample=False, pad_token_id=0, eos_token_id=None)
-            assert torch.equal(batch[i, -STEPS:], alone[0, -STEPS:]), f"row {i} differs"
+    assert_rows_decode_as_alone(method, options, [220, 180, 140])
