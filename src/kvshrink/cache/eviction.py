@@ -14,7 +14,7 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial, merge_partials
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.store import ExactStore, held_bytes, storage_dtype
+from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes
 
 # Probability elements computed at once while scoring (bounds prefill memory: never T x T x heads).
 _SCORE_BLOCK_ELEMENTS = 1 << 23
@@ -49,7 +49,7 @@ class ScoredEvictionLayer(CacheLayer):
 
     def __init__(self, spec: LayerSpec):
         super().__init__(spec)
-        self.store = ExactStore(dtype=storage_dtype(self.info.dtype))
+        self.store = ExactStore(dtype=exact_storage_dtype("auto", self.info.dtype))
         self.score: torch.Tensor | None = None
         self.evicted = 0
 

@@ -42,14 +42,9 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
             )
     return x.to(dtype)
 
+
 # Tokens dequantized at once when a method attends over a quantized segment (bounds transient memory).
 DEQUANT_BLOCK = 1024
-
-
-def storage_dtype(model_dtype: torch.dtype) -> torch.dtype:
-    """Kept tokens are stored in 16 bits (the fp16 reference's precision): fp32 models store fp16
-    (refused loudly by ``to_storage`` if a value overflows it), 16-bit models their own dtype."""
-    return exact_storage_dtype("auto", model_dtype)
 
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -19,7 +19,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import DEQUANT_BLOCK, ExactStore, held_bytes, partial_or_none, storage_dtype
+from kvshrink.cache.store import DEQUANT_BLOCK, ExactStore, exact_storage_dtype, held_bytes, partial_or_none
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
 
 def fill_padding(x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -74,7 +74,7 @@ class KiviLayer(CacheLayer):
                 "not a multiple of it (choose a group that divides the head size)"
             )
         self.bits, self.group, self.residual = options.bits, group, options.residual
-        self.tail = ExactStore(storage_dtype(self.info.dtype))
+        self.tail = ExactStore(exact_storage_dtype("auto", self.info.dtype))
         self.clear()
 
     def clear(self) -> None:

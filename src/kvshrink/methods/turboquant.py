@@ -20,7 +20,7 @@ import torch
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import DEQUANT_BLOCK, ExactStore, held_bytes, partial_or_none, storage_dtype
+from kvshrink.cache.store import DEQUANT_BLOCK, ExactStore, exact_storage_dtype, held_bytes, partial_or_none
 from kvshrink.codecs.lloyd_max import TURBO_BITS, TurboCode, TurboQuantizer
 
 
@@ -47,7 +47,7 @@ class TurboQuantLayer(CacheLayer):
         self.key_q = TurboQuantizer(d, options.key_bits, qjl=options.qjl, seed=2 * self.layer_idx)
         self.value_q = TurboQuantizer(d, options.value_bits, qjl=False, seed=2 * self.layer_idx + 1)
         self.residual = options.residual
-        self.tail = ExactStore(storage_dtype(self.info.dtype))
+        self.tail = ExactStore(exact_storage_dtype("auto", self.info.dtype))
         self.clear()
 
     def clear(self) -> None:
