@@ -84,9 +84,9 @@ def test_key_factors_are_stored_per_kv_head(tiny_qwen):
     _, kv_cache = _generate(tiny_qwen, "lrqk", ids, mask, new=2, top_k=16, factor_dtype="float32")
     _, q_cache = _generate(tiny_qwen, "lrqk", ids, mask, new=2, top_k=16, factor_heads="query",
                            factor_dtype="float32")
-    layer = kv_cache.layers[0]
-    assert layer.a_k.shape[:2] == (2, 2) and layer.a_k.shape[-1] == 4     # [B, H_kv, T, r=d/4]
-    assert q_cache.layers[0].a_k.shape[:2] == (2, 6)
+    layer = kv_cache.layers[0].rows[0]  # a batch: each row has its own layers
+    assert layer.a_k.shape[:2] == (1, 2) and layer.a_k.shape[-1] == 4     # [1, H_kv, T, r=d/4]
+    assert q_cache.layers[0].rows[0].a_k.shape[:2] == (1, 6)
     assert kv_cache.breakdown()["key_factors"] * 3 == q_cache.breakdown()["key_factors"]
 
 
@@ -105,7 +105,8 @@ def test_chunked_prefill_matches_full_and_keeps_decoding(tiny_llama):
     with torch.no_grad():
         tiny_llama(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=one)
     # The factorization depends on the prompt only through its Grams: chunking gives the same factors.
-    torch.testing.assert_close(cache.layers[1].b_k, one.layers[1].b_k, rtol=1e-3, atol=1e-4)
+    for row in range(2):
+        torch.testing.assert_close(cache.layers[1].rows[row].b_k, one.layers[1].rows[row].b_k, rtol=1e-3, atol=1e-4)
     full_ids = torch.cat([ids, ids[:, :1]], 1)
     full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     with torch.no_grad():

@@ -134,19 +134,17 @@ def test_left_padded_batch_decodes_each_row_as_alone(method):
     assert_rows_decode_as_alone(method, NEAR_LOSSLESS[method][0], [PROMPT, PROMPT - 30, PROMPT - 61])
 
 
-# Settings that really compress these prompts. Shard and LRQK fit their codes / factors over the whole
-# batch (PCA bases, bit allocation, value scales; LRQK's factorization and its stopping test), so a row
-# of a padded batch is compressed differently than alone: a known gap, kept here as a strict xfail so
-# the test turns red (and the mark must go) once a fix makes rows independent.
+# Settings that really compress these prompts. Shard and LRQK fit their codes / factors to the tokens they
+# see (PCA bases, bit allocation, value scales; LRQK's factorization): in a batch each row gets its own
+# layers (cache/rowwise.py), so each row must decode exactly as alone.
 COMPRESSING = [
     ("streaming", {"sinks": 2, "window": 16}),
     ("h2o", {"budget": 24, "recent": 8}),
     ("scissorhands", {"budget": 24, "recent": 8}),
     ("kivi", {"bits": 2, "group": 16, "residual": 16}),
     ("turboquant", {"key_bits": 3, "value_bits": 3}),
-    pytest.param("shard", {}, marks=pytest.mark.xfail(strict=True, reason="codes fit over the whole batch")),
-    pytest.param("lrqk", {"top_k": 16, "window": 8},
-                 marks=pytest.mark.xfail(strict=True, reason="factorization fit over the whole batch")),
+    ("shard", {}),
+    ("lrqk", {"top_k": 16, "window": 8}),
 ]
 
 

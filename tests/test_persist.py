@@ -283,3 +283,33 @@ def test_writer_killed_mid_write_keeps_the_old_file_under_the_final_name(model, 
         proc.wait()
     assert final.read_bytes() == old
     assert load_cache(final, model).get_seq_length() == PREFIX
+
+
+@pytest.mark.parametrize("method,options", [m for m in METHODS if m[0] in ("shard", "lrqk")], ids=["shard", "lrqk"])
+def test_a_batch_whose_rows_are_compressed_apart_saves_loads_and_resets(model, method, options, tmp_path):
+    """Shard and LRQK give each row of a batch its own layers (cache/rowwise.py): that structure is
+    saved and loaded like any other, and ``reset`` returns to one set of layers for the next prompt."""
+    from conftest import left_pad
+
+    ids, mask = left_pad(prompts([PREFIX, PREFIX - 20], seed=5))
+    cache = kvshrink.make_cache(method, model, **options)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    cache.save(tmp_path / "batch.kvs")
+    loaded = load_cache(tmp_path / "batch.kvs", model)
+    assert loaded.nbytes() == cache.nbytes()
+    step = torch.tensor([[5], [6]])
+    mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+    with torch.no_grad():
+        want = model(input_ids=step, attention_mask=mask, past_key_values=cache).logits
+        got = model(input_ids=step, attention_mask=mask, past_key_values=loaded).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    cache.reset()
+    assert not hasattr(cache.layers[0], "rows")
+    prefix, question, _ = prompts([PREFIX, QUESTION, QUESTION], seed=3)
+    alone = prefilled(model, method, options, prefix[None])
+    with torch.no_grad():
+        model(input_ids=prefix[None], past_key_values=cache)
+    assert cache.nbytes() == alone.nbytes()
+    for c in (cache, loaded, alone):
+        c.close()

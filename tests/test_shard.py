@@ -4,6 +4,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvshrink
 from kvshrink.cache.attention import exact_partial, merge_partials
+from kvshrink.cache.rowwise import row_context
 
 
 def tiny_llama(head_dim=16, layers=2, seed=0):
@@ -19,12 +20,12 @@ def prefill(model, cache, ids, mask=None):
         return model(ids, attention_mask=mask, past_key_values=cache)
 
 
-def check_equivalence(cache, batch, seed=1):
+def check_equivalence(cache, batch, seed=1, layers=None, ctx=None):
     """past_partials (blockwise from the packed store) == exact attention over the dequantized cache."""
-    ctx = cache._ctx
+    ctx = ctx or cache._ctx
     info = cache.info
     g = torch.Generator().manual_seed(seed)
-    for layer in cache.layers:
+    for layer in layers or cache.layers:
         q = torch.randn(batch, info.num_q_heads, 3, info.head_dim, generator=g) * 2
         got = merge_partials(layer.past_partials(q, ctx))
         keys, values, index = layer.dequantized(ctx)
@@ -57,23 +58,27 @@ def test_attention_from_packed_store_equals_dequantized_attention(scope, weights
                                layer.middle_values(block, probs, 0, block.n)[:, :, :2], atol=1e-5, rtol=1e-5)
 
 
-def test_batch_with_left_padding_and_non_power_of_two_heads():
+def test_batch_rows_are_compressed_apart_with_left_padding_and_non_power_of_two_heads():
     model = tiny_llama(head_dim=12)  # 12: rotation falls back to a random orthogonal matrix
     cache = kvshrink.make_cache("shard", model, sinks=2, window=8, v_group=4, v_codebook=16)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 128, (2, 150), generator=g)
     mask = torch.ones(2, 150, dtype=torch.long)
     mask[1, :20] = 0
-    prefill(model, cache, ids, mask)
-    assert len(cache.layers[0].sinks) == 22  # sinks after the longest padding
-    check_equivalence(cache, 2)
-    # row 1 (padded) gives the same logits as running it alone without padding, up to compression noise
-    def fresh():
-        return kvshrink.make_cache("shard", model, sinks=2, window=8, v_group=4, v_codebook=16)
-
-    out_b = prefill(model, fresh(), ids, mask)
-    out_1 = prefill(model, fresh(), ids[1:, 20:])
-    torch.testing.assert_close(out_b.logits[1, -1], out_1.logits[0, -1], atol=1e-4, rtol=1e-4)
+    out_b = prefill(model, cache, ids, mask)
+    rows = cache.layers[0].rows  # each row has its own layers, fed its real tokens only
+    assert [row.seen for row in rows] == [150, 130] and [len(row.sinks) for row in rows] == [2, 2]
+    for i in range(2):
+        check_equivalence(cache, 1, layers=[layer.rows[i] for layer in cache.layers], ctx=row_context(cache._ctx, i))
+    # row 1 (padded) gives the logits of running it alone without padding: it is compressed alone
+    alone = kvshrink.make_cache("shard", model, sinks=2, window=8, v_group=4, v_codebook=16)
+    out_1 = prefill(model, alone, ids[1:, 20:])
+    torch.testing.assert_close(out_b.logits[1, -1], out_1.logits[0, -1], atol=1e-5, rtol=1e-5)
+    # and the batch holds the bytes of its rows held alone
+    alone_0 = kvshrink.make_cache("shard", model, sinks=2, window=8, v_group=4, v_codebook=16)
+    prefill(model, alone_0, ids[:1])
+    layer_bytes = lambda c: sum(layer.nbytes() for layer in c.layers)  # noqa: E731
+    assert layer_bytes(cache) == layer_bytes(alone) + layer_bytes(alone_0)
 
 
 def test_high_precision_shard_matches_full():

@@ -110,6 +110,9 @@ class CacheLayer(CacheLayerMixin):
     # False when commit() needs nothing from the step's attention: a shared prefill (eval/fanout.py)
     # then skips this layer's own attention computation.
     commit_needs_attention = True
+    # True when what the layer stores is fitted to the tokens it sees (bases, scales, factors): in a batch
+    # each row then gets its own layers (cache/rowwise.py), so a row is compressed as if it were alone.
+    split_batch_rows = False
 
     def __init__(self, spec: LayerSpec):
         super().__init__()
@@ -385,10 +388,18 @@ class KVShrinkCache(CacheAccounting, Cache):
             raise ValueError(f"kvshrink: {total} tokens (prompt and answer so far) exceed the model's {limit} positions "
                              "(max_position_embeddings); shorten the prompt or max_new_tokens")
         self._record_ids(q)
+        if b > 1 and self.get_seq_length() == 0 and self.layers[0].split_batch_rows:
+            self._split_rows(b)
         self._batch = b
         self._ctx = None
         if q == 1:
             self.decode_steps += 1
+
+    def _split_rows(self, b: int) -> None:
+        from kvshrink.cache.rowwise import RowSplitLayer
+
+        rows = [copy.deepcopy(self.layers) for _ in range(b)]  # a row's layers share one copy of shared state
+        self.layers = [RowSplitLayer([row[i] for row in rows]) for i in range(len(self.layers))]
 
     def step_context(self, attention_mask: Any, position_ids: torch.Tensor | None, q_len: int,
                      scaling: float, device: torch.device) -> StepContext:
@@ -470,6 +481,8 @@ class KVShrinkCache(CacheAccounting, Cache):
         """Empty every layer so the cache can take a new prompt."""
         for layer in self.layers:
             layer.reset()
+        # a batch's row layers (cache/rowwise.py) go: the next prompt may have another batch size
+        self.layers = [getattr(layer, "rows", [layer])[0] for layer in self.layers]
         self._clear_bookkeeping()
 
     def crop(self, max_length: int) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.rowwise import one_row_layers
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs.lowrank import (
@@ -91,6 +92,7 @@ class LRQKOptions:
     options=LRQKOptions,
 )
 class LRQKLayer(CacheLayer):
+    split_batch_rows = True  # the low-rank factors are fitted per row
     def __init__(self, spec: LayerSpec, options: LRQKOptions):
         super().__init__(spec)
         o = options
@@ -490,7 +492,7 @@ def _check_writable(folder: str) -> None:
 
 def step_report(cache) -> list[dict[str, float]]:
     """Per decode step, over all layers of an lrqk cache: miss rate, rows and bytes moved."""
-    logs = [layer.step_log for layer in cache.layers]
+    logs = [layer.step_log for layer in one_row_layers(cache.layers)]
     steps = min((len(log) for log in logs), default=0)
     out = []
     for i in range(steps):

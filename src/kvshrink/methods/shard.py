@@ -419,6 +419,7 @@ def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
     undoes_rope=True,
 )
 class ShardLayer(CacheLayer):
+    split_batch_rows = True  # PCA bases, bit allocation and scales fitted per row
     def __init__(self, spec: LayerSpec, shared: ShardShared):
         super().__init__(spec)
         self.shared = shared
