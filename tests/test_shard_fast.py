@@ -5,7 +5,8 @@ import torch
 import kvshrink
 from kvshrink.cache.attention import merge_partials
 from kvshrink.codecs import fused
-from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca, slot_plan
+from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
+from kvshrink.codecs.table_decoder import slot_plan
 
 from test_shard import prefill, tiny_llama
 
@@ -105,7 +106,7 @@ def _decode_with_plan(code: PCACode, slot_bits: int) -> torch.Tensor:
     """Rows of ``code`` through `fused._fill_tables` and the plan's slots, in plain Python."""
     import numpy as np
 
-    from kvshrink.codecs.pca import scaled_bases
+    from kvshrink.codecs.table_decoder import scaled_bases
 
     plan = slot_plan([code], slot_bits=slot_bits)
     scaled, mean = scaled_bases([code])

@@ -8,8 +8,9 @@ stream:
 * **middle** (prompt tokens that leave the window during prefill), one block per prefill chunk:
   - K: RoPE undone exactly; centred PCA per KV head (``pca_scope="head"``, the default) or of the
     keys of all KV heads stacked per token (``pca_scope="layer"``, the source's choice); bits per
-    group of ``pca_group`` components from {0, 2, 4, 6, 8} by the DP of `codecs.pca.allocate_bits`
-    (4x penalty for dropping) under the layer's budget; int8 basis with per-column scales;
+    group of ``pca_group`` components from {0, 2, 4, 6, 8} by the DP of
+    `codecs.bit_allocation.allocate_bits` (4x penalty for dropping) under the layer's budget; int8
+    basis with per-column scales;
     bit-packed coefficients with per-component steps scaled from their spread: the ``2**b``
     Lloyd-Max levels of a Gaussian by default (``k_levels="lloyd"``: 4 levels at 2 bits where
     symmetric ints use 3) or the source's symmetric ints (``k_levels="uniform"``).
@@ -25,7 +26,7 @@ stream:
 
 Attention is computed from the compressed store block by block: for each block of at most
 ``block_tokens`` middle tokens the pre-RoPE keys are rebuilt from the coefficients (byte lookup
-tables summed by ``embedding_bag``, see `codecs.pca.TableDecoder`), RoPE is re-applied as one complex product
+tables summed by ``embedding_bag``, see `codecs.table_decoder.TableDecoder`), RoPE is re-applied as one complex product
 per channel pair at the tokens' positions (the decoded channels come in pair order), scores are taken
 and the values are
 accumulated in the code domain (probabilities summed per codeword per channel group, one product

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvshrink.codecs.pca import allocate_bits, fit_pca, group_sizes, group_variances
+from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
+from kvshrink.codecs.pca import fit_pca
 from kvshrink.methods.shard.config import ShardConfig
 
 

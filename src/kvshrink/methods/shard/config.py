@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvshrink.cache.registry import option
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES
-from kvshrink.codecs.pca import COEFF_LEVELS
+from kvshrink.codecs.scalar_levels import COEFF_LEVELS
 from kvshrink.codecs.vq import check_codebook_size
 
 STREAM_BITS = (2, 3, 4, 8)

@@ -11,12 +11,11 @@ from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungr
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes
 from kvshrink.codecs import fused
+from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
-from kvshrink.codecs.pca import (
-    PCACode, SlotPlan, TableDecoder, allocate_bits, encode_pca, fit_pca, group_sizes, group_variances, scaled_bases,
-    slot_plan,
-)
+from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
+from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, scaled_bases, slot_plan
 from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.methods.shard.salient import pick_salient
 from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stacked_codes

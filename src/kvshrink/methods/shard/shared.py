@@ -9,8 +9,9 @@ from kvshrink.cache.base import StepContext
 from kvshrink.codecs import fused
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboQuantizer
-from kvshrink.codecs.pca import PCA_BITS, unit_levels
+from kvshrink.codecs.bit_allocation import PCA_BITS
 from kvshrink.codecs.rope import rope_phases
+from kvshrink.codecs.scalar_levels import unit_levels
 from kvshrink.codecs.vq import gaussian_codebook
 from kvshrink.methods.shard.config import ShardConfig
 
