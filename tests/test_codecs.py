@@ -10,8 +10,10 @@ from kvshrink.codecs import (
     fit_pca, hadamard_matrix, lloyd_max_centroids, pack_bits, packed_size, pair_order, rope_phases, undo_rope,
     unpack_bits, vq_encode,
 )
+from kvshrink.codecs.bit_allocation import modelled_error
 from kvshrink.codecs.bitpack import byte_codes, lookup_packed
-from kvshrink.codecs.pca import TableDecoder, gaussian_uniform_step, modelled_error
+from kvshrink.codecs.scalar_levels import gaussian_uniform_step
+from kvshrink.codecs.table_decoder import TableDecoder
 
 
 def llama_cos_sin(positions, d, theta=10000.0):
@@ -260,7 +262,7 @@ def test_pca_table_decoding_equals_the_product_for_mixed_widths(levels):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_pca_tables_of_codes_with_one_byte_layout_are_built_together_and_decode_the_same(weighted):
     """Heads of one block share their byte layout: their tables are built by one product per run."""
-    from kvshrink.codecs import pca
+    from kvshrink.codecs import table_decoder
 
     g = torch.Generator().manual_seed(2)
     bits = [4] * 4 + [2] * 10 + [0] * 2
@@ -270,7 +272,7 @@ def test_pca_tables_of_codes_with_one_byte_layout_are_built_together_and_decode_
         scale = torch.rand(16, generator=g) + 0.5 if weighted else None
         rows = x if scale is None else x / scale.half().float()
         codes.append(encode_pca(rows, fit_pca(rows.reshape(-1, 16), 16), bits, levels="lloyd", column_scale=scale))
-    assert pca._same_byte_layout(codes) and not pca._same_byte_layout(codes[:1])
+    assert table_decoder._same_byte_layout(codes) and not table_decoder._same_byte_layout(codes[:1])
     order = torch.randperm(16, generator=g)
     together = TableDecoder(codes, columns=order)(30, 120)
     for i, c in enumerate(codes):

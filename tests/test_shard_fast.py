@@ -6,7 +6,8 @@ import kvshrink
 from kvshrink.cache.attention import merge_partials
 from kvshrink.cache.rowwise import row_context
 from kvshrink.codecs import fused
-from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca, slot_plan
+from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
+from kvshrink.codecs.table_decoder import slot_plan
 
 from test_shard import prefill, tiny_llama
 
@@ -109,7 +110,7 @@ def _decode_with_plan(code: PCACode, slot_bits: int) -> torch.Tensor:
     """Rows of ``code`` through `fused._fill_tables` and the plan's slots, in plain Python."""
     import numpy as np
 
-    from kvshrink.codecs.pca import scaled_bases
+    from kvshrink.codecs.table_decoder import scaled_bases
 
     plan = slot_plan([code], slot_bits=slot_bits)
     scaled, mean = scaled_bases([code])

@@ -4,7 +4,7 @@
 codes, without materialising the block's keys or values:
 
 1. per token: its pre-RoPE key is summed from lookup-table rows chosen by its packed key codes
-   (`codecs.pca.SlotTables`: one row per byte of byte-aligned runs, one per code of the others, the
+   (`codecs.table_decoder.SlotPlan`: one row per byte of byte-aligned runs, one per code of the others, the
    mean as the start), rotated by RoPE (channels in pair order: one complex product per pair), and
    scored against the grouped queries;
 2. per KV head: the softmax of those scores (held rows masked), and its probabilities summed per
@@ -177,7 +177,7 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     block of ``n`` coded tokens, on CPU tensors.
 
     ``codes [B, S, n, bytes]`` uint8: the packed key codes of the ``S`` PCA scopes, decoded by ``plan``
-    (a `codecs.pca.SlotPlan`) from tables filled from ``scaled [S, r, W]`` (the scaled bases) starting
+    (a `codecs.table_decoder.SlotPlan`) from tables filled from ``scaled [S, r, W]`` (the scaled bases) starting
     at ``mean [S, W]`` (float32, columns in pair order, ``W = H_kv * d / S``);
     ``cos, sin [B, n, d/2]``: the tokens' RoPE; ``hidden [B, H_kv, m]`` int32: rows not attended (or
     None); ``v_codes [B, H_kv, n, bytes]``: ``n_groups`` value codes of ``v_bits`` bits per token.
@@ -207,7 +207,8 @@ def warm_up() -> None:
     step is not charged with it."""
     if numba is None:
         return
-    from .pca import PCACode, slot_plan
+    from .pca import PCACode
+    from .table_decoder import slot_plan
 
     code = PCACode(mean=torch.zeros(2), basis_q=torch.zeros(2, 4, dtype=torch.int8), basis_scale=torch.ones(4),
                    coeff_step=torch.ones(4), codes=torch.zeros(1, 2, 1, dtype=torch.uint8), runs=[(2, 0, 4, 0, 1)])

@@ -1,0 +1,90 @@
+"""Shard's options: `ShardConfig`, the one declaration (help, choices, ranges) of every option."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvshrink.cache.registry import option
+from kvshrink.cache.store import EXACT_DTYPE_CHOICES
+from kvshrink.codecs.scalar_levels import COEFF_LEVELS
+from kvshrink.codecs.vq import check_codebook_size
+
+STREAM_BITS = (2, 3, 4, 8)
+V_FITS = ("gaussian", "kmeans")
+KEY_ALLOCS = ("layer", "global")
+PCA_SCOPES = ("layer", "head")
+KEY_WEIGHTS = ("none", "query")
+KERNELS = ("fast", "reference")
+
+
+@dataclass
+class ShardConfig:
+    """Shard's options (the one declaration: help, choices and ranges live here)."""
+
+    sinks: int = option(4, "first tokens kept exact (attention sinks)", low=0)
+    window: int = option(64, "most recent tokens kept exact", low=0)
+    key_bits: float = option(2.5, "bits per key element for the compressed middle (PCA coefficients)",
+                             low=0, high=8, low_open=True)
+    v_group: int = option(4, "channels per value VQ group (must divide the head size)", low=1)
+    v_codebook: int = option(256, "value VQ codebook entries (power of two, 2..256)", low=2, high=256)
+    v_fit: str = option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
+                        "per block on a sample)", choices=V_FITS)
+    v_iters: int = option(4, "k-means iterations when v_fit='kmeans'", low=0)
+    v_sample: int = option(8192, "group vectors sampled to refine the codebook when v_fit='kmeans' "
+                           "(>= v_codebook)", low=2)
+    pca_group: int = option(0, "PCA components per DP bit-allocation group (0 = H_kv*d/16)", low=0)
+    rank: int = option(0, "PCA components computed per scope (0 = all)", low=0)
+    pca_scope: str = option("head", "one key PCA per 'layer' (all KV heads stacked, as the source) or per 'head' "
+                            "(3x cheaper to decode with 3 KV heads)", choices=PCA_SCOPES)
+    k_levels: str = option("lloyd", "key coefficient levels: 'lloyd' (2**b Gaussian Lloyd-Max levels) or "
+                           "'uniform' (symmetric ints, the source's int4)", choices=COEFF_LEVELS)
+    drop_penalty: float = option(4.0, "error multiplier for dropping a component group in the DP", low=1)
+    stream_bits: int = option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS)
+    qjl: bool = option(False, "add a 1-bit QJL residual sketch to the decode stream")
+    seed: int = option(0, "seed of the rotations and codebooks")
+    exact_dtype: str = option("auto", "dtype of exact tokens (sinks, window, salient): 'auto' (the model's dtype "
+                              "if 16-bit, else float16), 'model', or float16/bfloat16/float32 (float16 refuses "
+                              "values beyond its range)", choices=EXACT_DTYPE_CHOICES)
+    min_block: int = option(64, "fewest prompt tokens compressed by PCA/VQ at once (fewer go to the stream)", low=2)
+    block_tokens: int = option(8192, "middle tokens decoded at once during attention (bounds its transient "
+                               "memory)", low=1)
+    key_alloc: str = option("layer", "key budget: 'layer' (each layer key_bits) or 'global' (shared by all "
+                            "layers by a DP on calibrated per-layer spectra)", choices=KEY_ALLOCS)
+    calibration_tokens: int = option(512, "tokens of calibration text for key_alloc='global'", low=16)
+    key_weights: str = option("none", "key PCA error weights per channel: 'none' (plain key error) or 'query' "
+                              "(each RoPE pair weighted by the prompt's mean query energy in it: the score "
+                              "error)", choices=KEY_WEIGHTS)
+    salient: float = option(0.015, "fraction of each block's middle tokens kept exact per KV head: those the "
+                            "prompt's last `observe` queries attend to most (SnapKV-style)", low=0, high=0.5)
+    observe: int = option(32, "last prompt queries whose attention picks the salient tokens", low=1)
+    salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
+                               "spans several tokens, and the ones after an attended token are copied next", low=1)
+    kernel: str = option("reference", "middle-segment decode: 'reference' (torch ops) or 'fast' (fused numba "
+                         "kernel on CPU, 3-11% faster after a one-off compile; needs kvshrink[fast])",
+                         choices=KERNELS)
+
+    def __post_init__(self):
+        try:
+            check_codebook_size(self.v_codebook)
+        except ValueError:
+            self._bad(f"v_codebook must be a power of two in 2..256, got {self.v_codebook}")
+        if self.v_sample < self.v_codebook:
+            self._bad(f"v_sample must be >= v_codebook ({self.v_codebook}), got {self.v_sample}")
+        if self.salient_pool % 2 == 0:
+            self._bad(f"salient_pool must be an odd number >= 1, got {self.salient_pool}")
+
+    @staticmethod
+    def _bad(msg: str):
+        raise ValueError(f"shard: {msg}")
+
+    def validate(self, head_dim: int, num_kv_heads: int) -> None:
+        """The checks that depend on the model's attention shape."""
+        if head_dim % self.v_group:
+            self._bad(f"v_group must divide the head size {head_dim}, got {self.v_group}")
+        if self.rank > head_dim * num_kv_heads:
+            self._bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
+
+    @property
+    def v_bits_per_element(self) -> float:
+        return math.log2(self.v_codebook) / self.v_group

@@ -1,0 +1,384 @@
+"""`ShardLayer`: one decoder layer's Shard cache (sinks, compressed middle blocks, decode stream,
+window), its blockwise attention over the codes and the compression of tokens leaving the window."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
+from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes
+from kvshrink.codecs import fused
+from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
+from kvshrink.codecs.bitpack import pack_bits, unpack_bits
+from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
+from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
+from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, scaled_bases, slot_plan
+from kvshrink.codecs.vq import assign_codes, fit_codebook
+from kvshrink.methods.shard.salient import pick_salient
+from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stacked_codes
+from kvshrink.methods.shard.shared import ShardShared
+
+# Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
+_MIN_QUERY_WEIGHT = 1e-2
+
+# Score elements per block of middle tokens (bounds the transient memory of prefill-with-past).
+_SCORE_ELEMENTS = 1 << 22
+# Most grouped query rows (query heads per KV head x new tokens) the fused kernel takes: decoding, not
+# prefill-with-past, whose many rows the reference path blocks to bound memory.
+_FAST_ROWS = 64
+
+
+def _softmax_part(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probabilities, log-sum-exp)`` of ``scores [..., n]`` over the last dim."""
+    lse = torch.logsumexp(scores, dim=-1)
+    # a row whose tokens are all masked (salient rows held exact) has lse -inf and contributes nothing
+    return torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1)), lse
+
+
+class ShardLayer(CacheLayer):
+    split_batch_rows = True  # PCA bases, bit allocation and scales fitted per row
+    def __init__(self, spec: LayerSpec, shared: ShardShared):
+        super().__init__(spec)
+        self.shared = shared
+        self.cfg = shared.cfg
+        self.h_kv, self.d = self.info.num_kv_heads, self.info.head_dim
+        dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
+        self.sinks = ExactStore(dtype)
+        self.window = ExactStore(dtype)
+        self.middle: list[MiddleBlock] = []
+        self.stream = TurboSegment()
+        self.decoding = False
+        self._query_energy: torch.Tensor | None = None   # key_weights="query": [H_kv, d] of the prompt
+        self._observer: torch.Tensor | None = None       # salient > 0: the chunk's last queries, grouped
+
+    def shared_on_fork(self) -> list:
+        return list(self.middle)  # a compressed block is never changed once made
+
+    # ---- attention ---------------------------------------------------------------------------------
+    def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        if ctx.q_len > 1 and self.cfg.key_weights == "query":
+            self._query_energy = self.query_pair_energy(query, ctx)
+        if ctx.q_len > 1 and self.cfg.salient > 0:
+            self._observer = group_queries(query[:, :, -self.cfg.observe:].float(), self.h_kv)
+        exact = self.exact_partial(query, ctx)
+        parts = [exact] if exact is not None else []
+        for block in self.middle:
+            parts.extend(self.middle_partials(block, query, ctx))
+        if self.stream.n:
+            parts.append(self.stream_partial(query, ctx.scaling))
+        if self.layer_idx == self.info.num_layers - 1:
+            self.shared.end_of_step()
+        return parts
+
+    def exact_partial(self, query: torch.Tensor, ctx: StepContext) -> Partial | None:
+        """One exact attention over the sinks, the salient middle tokens and the window together (they
+        are few: one kernel call and one partial to merge per layer and step)."""
+        runs = [run for run in (self.sinks, self.window) if len(run)]
+        salient = [block for block in self.middle if block.salient is not None]
+        if not runs and not salient:
+            return None
+        if len(runs) == 1 and not salient:
+            return runs[0].partial(query, ctx.scaling, ctx.pad_len)
+        device = (runs[0].keys if runs else salient[0].salient.keys).device
+        keys, values, index = [], [], []
+        for run in runs:
+            keys.append(run.keys), values.append(run.values)
+            index.append(run.token_index())
+        for block in salient:
+            # rows differ per head, but the index only serves the padding mask: middle tokens are never
+            # padding, so the block's first index stands for all of them
+            keys.append(block.salient.keys), values.append(block.salient.values)
+            index.append(torch.full((block.salient.index.shape[-1],), block.start, device=device))
+        return exact_partial(query, torch.cat(keys, dim=2), torch.cat(values, dim=2), ctx.scaling,
+                             key_index=torch.cat(index), pad_len=ctx.pad_len)
+
+    def key_decoder(self, block: MiddleBlock) -> TableDecoder:
+        """The decoder of ``block``'s key codes (lookup tables built once), giving each head's channels
+        in RoPE `pair_order` (a free permutation of the basis) so RoPE is one complex product."""
+        pairs = pair_order(self.d, device=block.v_codes.device)
+        columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
+        return TableDecoder(block.keys, columns=columns, table_dtype=torch.float16)
+
+    def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
+                    paired: bool = False, decoder: TableDecoder | None = None) -> torch.Tensor:
+        """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes;
+        ``paired=True`` returns each head's channels in RoPE pair order (score them against queries
+        in the same order), else in the model's order."""
+        pre = (decoder or self.key_decoder(block))(start, stop)     # [B, scopes, n, H*d/scopes]
+        if pre.shape[1] != self.h_kv:                                # one PCA over the layer
+            b, _, n, _ = pre.shape
+            pre = pre.reshape(b, n, self.h_kv, self.d).transpose(1, 2)
+        keys = apply_rope_paired(pre, self.shared.phases(ctx, block.start + start, stop - start))
+        return keys if paired else keys[..., torch.argsort(pair_order(self.d, device=keys.device))]
+
+    def middle_values(self, block: MiddleBlock, probs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``probs [B, H_kv, R, n] @ V[start:stop]`` ``[B, H_kv, R, d]`` from the VQ codes."""
+        k_entries, group = block.v_codebook.shape
+        n_groups = self.d // group
+        idx = unpack_bits(block.v_codes[:, :, start:stop], int(math.log2(k_entries)), n_groups)  # [B,H,n,G]
+        codebook = block.v_codebook.float()
+        b, h, r, n = probs.shape
+        if r * n_groups <= 2 * self.d:
+            # Code domain: sum the probabilities per codeword and group, then one small product.
+            flat = idx + torch.arange(n_groups, device=idx.device) * k_entries
+            flat = flat.reshape(b, h, 1, n * n_groups).expand(b, h, r, n * n_groups)
+            src = probs.unsqueeze(-1).expand(b, h, r, n, n_groups).reshape(b, h, r, n * n_groups)
+            bins = torch.zeros(b, h, r, n_groups * k_entries, device=probs.device, dtype=probs.dtype)
+            bins.scatter_add_(-1, flat, src)
+            return self.values_from_bins(block, bins)
+        values = codebook[idx].reshape(b, h, n, self.d)
+        return self.unscale_values(block, probs @ values)
+
+    def values_from_bins(self, block: MiddleBlock, bins: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, H_kv, R, d]`` from the probabilities summed per value group and codeword
+        ``bins [B, H_kv, R, groups * entries]``: one product with the codebook."""
+        k_entries = block.v_codebook.shape[0]
+        b, h, r, _ = bins.shape
+        rotated = bins.reshape(b, h, r, -1, k_entries) @ block.v_codebook.float()
+        return self.unscale_values(block, rotated.reshape(b, h, r, self.d))
+
+    def unscale_values(self, block: MiddleBlock, rotated: torch.Tensor) -> torch.Tensor:
+        """Rotated, scaled value sums ``[B, H_kv, R, d]`` -> in the model's value space."""
+        return self.shared.rotation.unrotate(rotated * block.v_scale.float()[None, :, None, :])
+
+    def middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        if self.use_fast_kernel(query):
+            return [self.fused_middle_partial(block, query, ctx)]
+        return self.reference_middle_partials(block, query, ctx)
+
+    def use_fast_kernel(self, query: torch.Tensor) -> bool:
+        rows = query.shape[1] // self.h_kv * query.shape[2]
+        return self.shared.fast and query.device.type == "cpu" and rows <= _FAST_ROWS
+
+    def fused_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
+        """The block's partial from `codecs.fused.code_attention`: one pass over its packed key codes
+        (keys summed from lookup tables, RoPE, scores) and one over its value codes (softmax
+        probabilities summed per codeword), no key or value materialised; same result as the reference
+        path within float32 rounding."""
+        pairs = pair_order(self.d, device=query.device)
+        qg = group_queries(query.float(), self.h_kv)[..., pairs].contiguous()  # keys come in pair order
+        plan = self.slot_plan(block)
+        scaled, mean = scaled_bases(block.keys, plan.columns)
+        cos, sin = self.shared.pair_rope(ctx, block.start, block.n)
+        hidden = None if block.salient is None else block.salient.index
+        k_entries, group = block.v_codebook.shape
+        bins, lse = fused.code_attention(
+            stacked_codes(block.keys), plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden,
+            block.v_codes, int(math.log2(k_entries)), self.d // group)
+        out = self.values_from_bins(block, bins)
+        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+
+    def slot_plan(self, block: MiddleBlock) -> SlotPlan:
+        """The block's `SlotPlan` (key codes' run layout as integers, a few hundred bytes), built on first
+        use and kept on the block outside its dataclass fields: rebuilt after a block is copied or loaded."""
+        plan = getattr(block, "_slot_plan", None)
+        if plan is None:
+            pairs = pair_order(self.d, device=block.v_codes.device)
+            plan = slot_plan(block.keys, columns=torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))]))
+            block._slot_plan = plan
+        return plan
+
+    def reference_middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        qg = group_queries(query.float(), self.h_kv)  # [B, H_kv, R, d]
+        qg = qg[..., pair_order(self.d, device=qg.device)]  # the keys come in RoPE pair order
+        b, _, r, _ = qg.shape
+        step = max(64, min(self.cfg.block_tokens, _SCORE_ELEMENTS // max(1, b * self.h_kv * r)))
+        parts = []
+        decoder = self.key_decoder(block)
+        hidden = None if block.salient is None else block.salient.hidden(block.n)
+        for start in range(0, block.n, step):
+            stop = min(block.n, start + step)
+            keys = self.middle_keys(block, start, stop, ctx, paired=True, decoder=decoder)
+            scores = qg @ keys.transpose(-1, -2) * ctx.scaling
+            if hidden is not None:
+                scores.masked_fill_(hidden[..., start:stop], float("-inf"))
+            probs, lse = _softmax_part(scores)
+            out = self.middle_values(block, probs, start, stop)
+            parts.append(Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1])))
+        return parts
+
+    def stream_partial(self, query: torch.Tensor, scaling: float) -> Partial:
+        qg = group_queries(query.float(), self.h_kv)
+        turbo = self.shared.turbo
+        probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
+        out = turbo.weighted_sum(probs, self.stream.values)
+        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+
+    # ---- storing ---------------------------------------------------------------------------------------
+    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
+        q = key.shape[2]
+        if q == 1:
+            self.decoding = True
+        first = ctx.past_len
+        # With left padding the sinks are each row's first real tokens: keep every index below
+        # max(pad) + sinks exact (padding included, masked in attention).
+        sinks_len = self.cfg.sinks + (int(ctx.pad_len.max()) if ctx.pad_len is not None else 0)
+        to_sinks = max(0, min(q, sinks_len - first))
+        if to_sinks:
+            self.sinks.append(key[:, :, :to_sinks], value[:, :, :to_sinks], ctx.new_index[:to_sinks])
+        if to_sinks < q:
+            self.window.append(key[:, :, to_sinks:], value[:, :, to_sinks:], ctx.new_index[to_sinks:])
+        overflow = len(self.window) - self.cfg.window
+        if overflow <= 0:
+            return
+        start = self.window.start
+        k, v = (x.float() for x in self.window.pop_front(overflow))
+        if not self.decoding and overflow >= self.cfg.min_block:
+            self.middle.append(self.compress_block(k, v, start, ctx))
+        else:
+            self.stream.append(self.shared.turbo.encode(k), self.shared.turbo.encode(v), start, overflow)
+
+    def key_bits_per_component(self, spectra: list[torch.Tensor]) -> list[list[int]]:
+        """Bits per component of each PCA scope: one DP over the groups of all scopes of the layer
+        under the layer's budget (``layer_key_bits * H_kv * d`` bits per token)."""
+        dim = self.h_kv * self.d
+        scope_dim = dim // len(spectra)
+        group = self.cfg.pca_group or max(1, scope_dim // 16)
+        sizes = [group_sizes(v.shape[0], group) for v in spectra]
+        variances = [g for v, sz in zip(spectra, sizes) for g in group_variances(v, sz)]
+        flat_sizes = [s for sz in sizes for s in sz]
+        budget = int(round(self.shared.layer_key_bits[self.layer_idx] * dim))
+        bits = iter(allocate_bits(variances, flat_sizes, budget, drop_penalty=self.cfg.drop_penalty))
+        return [[b for s in sz for b in [next(bits)] * s] for sz in sizes]
+
+    def query_pair_energy(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[H_kv, d]``: mean squared query of each KV head's group per RoPE pair (both channels of a
+        pair alike: RoPE only rotates within pairs, so this is position-free), over real tokens."""
+        qg = group_queries(query.float(), self.h_kv).pow(2)                      # [B, H_kv, G*q, d]
+        q = query.shape[2]
+        real = torch.ones(query.shape[0], q, device=qg.device)
+        if ctx.pad_len is not None:
+            real = (ctx.new_index[None, -q:] >= ctx.pad_len[:, None]).float().to(qg.device)
+        real = real.repeat(1, qg.shape[2] // q)[:, None, :, None]               # rows are (group, token)
+        energy = (qg * real).sum((0, 2)) / real.sum().clamp_min(1)
+        half = self.d // 2
+        pair = (energy[:, :half] + energy[:, half:]) / 2
+        return torch.cat([pair, pair], dim=-1)
+
+    def key_column_scale(self, width: int) -> torch.Tensor | None:
+        """Per scope column, what the pre-RoPE keys are divided by before PCA: ``1/sqrt(weight)``, so
+        the PCA and the bit allocation minimise the query-weighted error (fp16, as stored)."""
+        energy = self._query_energy
+        if self.cfg.key_weights != "query" or energy is None:
+            return None
+        weight = (energy / energy.mean().clamp_min(1e-30)).clamp_min(_MIN_QUERY_WEIGHT)
+        return weight.rsqrt().reshape(-1, width).to(torch.float16)             # [scopes, width]
+
+    def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext) -> MiddleBlock:
+        # One helper per path, so each path's full-size temporaries are freed before the next starts
+        # (extra peak memory stays below one layer's prompt K+V; measured by a test).
+        keys = self.encode_keys(key, start, ctx)
+        v_codes, codebook, scale = self.encode_values(value)
+        salient = None
+        observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
+        if self.cfg.salient > 0 and observer is not None:
+            salient = pick_salient(observer, key, value, ctx.scaling, self.cfg.salient,
+                                   self.sinks.dtype, self.cfg.salient_pool)
+        return MiddleBlock(start=start, n=key.shape[2], keys=keys, v_codes=v_codes, v_codebook=codebook,
+                           v_scale=scale, salient=salient)
+
+    def encode_keys(self, key: torch.Tensor, start: int, ctx: StepContext) -> list[PCACode]:
+        """Post-RoPE keys ``[B, H_kv, n, d]`` -> one `PCACode` of the pre-RoPE keys per PCA scope."""
+        b, h, n, d = key.shape
+        cos, sin = self.shared.rope(ctx, start, n)
+        scopes = h if self.cfg.pca_scope == "head" else 1
+        width = h * d // scopes
+        column_scale = self.key_column_scale(width)
+        scales = [None] * scopes if column_scale is None else list(column_scale)
+
+        def scope_rows(s: int) -> torch.Tensor:
+            """Pre-RoPE keys of scope ``s`` ``[B, n, width]``, divided by its column scale."""
+            x = undo_rope(key[:, s], cos, sin) if scopes == h else \
+                undo_rope(key, cos, sin).transpose(1, 2).reshape(b, n, h * d)
+            return x if scales[s] is None else x.div_(scales[s].float())
+
+        rank = min(self.cfg.rank or width, width)
+        fits = [fit_pca(scope_rows(s).reshape(b * n, width), rank, seed=self.cfg.seed) for s in range(scopes)]
+        bits = self.key_bits_per_component([f.variances for f in fits])
+        # RoPE is undone again rather than kept from the fits: one scope's keys are alive at a time
+        return [encode_pca(scope_rows(s), fits[s], bits[s], levels=self.cfg.k_levels, column_scale=scales[s])
+                for s in range(scopes)]
+
+    def encode_values(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Values ``[B, H_kv, n, d]`` -> packed VQ indices, the codebook, per-(head, channel) scales.
+
+        One head at a time (the rotation is redone rather than kept), so a layer's rotated values
+        never exist at once; only ``v_fit="kmeans"`` rotates the whole layer to sample from it."""
+        b, h, n, d = value.shape
+        group = self.cfg.v_group
+        rotate = self.shared.rotation.rotate
+        scale = torch.stack([rotate(value[:, s]).pow(2).mean(dim=(0, 1)) for s in range(h)])
+        scale = scale.sqrt().clamp_min(1e-6).to(torch.float16)                       # [H, d]
+        codebook = self.shared.v_codebook.to(value.device)
+        if self.cfg.v_fit == "kmeans":
+            groups = rotate(value).div_(scale.float()[None, :, None, :]).reshape(-1, group)
+            codebook = fit_codebook(groups, self.cfg.v_codebook, iters=self.cfg.v_iters, sample=self.cfg.v_sample,
+                                    seed=self.cfg.seed + self.layer_idx, init=codebook)
+            del groups
+        codebook = codebook.to(torch.float16)
+        idx = torch.empty(b, h, n, d // group, dtype=torch.int32, device=value.device)
+        for s in range(h):
+            rows = rotate(value[:, s]).div_(scale[s].float()).reshape(-1, group)
+            idx[:, s] = assign_codes(rows, codebook.float(), out_dtype=torch.int32).reshape(b, n, d // group)
+        return pack_bits(idx, int(math.log2(self.cfg.v_codebook))), codebook, scale
+
+    def dequantized(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every stored token rebuilt in float32: ``(keys, values [B, H_kv, n, d], index [n])``.
+
+        For tests and debugging only (attention never does this): exact attention over these
+        tensors is what `past_partials` computes blockwise from the packed store.
+        """
+        keys, values, index = [], [], []
+        device = ctx.offset.device
+        for run in (self.sinks,):
+            if len(run):
+                keys.append(run.keys.float()), values.append(run.values.float())
+                index.append(run.token_index())
+        for block in self.middle:
+            k = self.middle_keys(block, 0, block.n, ctx)
+            b, h = block.v_codes.shape[:2]
+            eye = torch.eye(block.n, device=device).expand(b, h, block.n, block.n)
+            v = self.middle_values(block, eye, 0, block.n)
+            if block.salient is not None:
+                rows = block.salient.index.long().unsqueeze(-1).expand(-1, -1, -1, self.d)
+                k = k.scatter(2, rows, block.salient.keys.float())
+                v = v.scatter(2, rows, block.salient.values.float())
+            keys.append(k), values.append(v)
+            index.append(torch.arange(block.start, block.start + block.n, device=device))
+        if self.stream.n:
+            keys.append(self.shared.turbo.decode(self.stream.keys))
+            values.append(self.shared.turbo.decode(self.stream.values))
+            index.append(self.stream.index(device))
+        if len(self.window):
+            keys.append(self.window.keys.float()), values.append(self.window.values.float())
+            index.append(self.window.token_index())
+        return torch.cat(keys, 2), torch.cat(values, 2), torch.cat(index)
+
+    # ---- accounting -------------------------------------------------------------------------------------
+    def breakdown(self) -> dict[str, int]:
+        out = {"sinks": held_bytes(self.sinks.tensors()), "window": held_bytes(self.window.tensors())}
+        for kind in ("k_codes", "k_scales", "k_bases", "v_codes", "v_scales", "v_codebooks", "salient"):
+            out[f"middle_{kind}"] = 0
+        for block in self.middle:
+            for kind, tensors in block.parts().items():
+                out[f"middle_{kind}"] += held_bytes(tensors)
+        out["stream"] = held_bytes(self.stream.tensors())
+        # the fast kernel's per-block slot plans (integers, built on first decode step)
+        plans = [getattr(block, "_slot_plan", None) for block in self.middle]
+        out["middle_slot_plans"] = sum(plan.nbytes() for plan in plans if plan is not None)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(self.breakdown().values())
+
+    def stats(self) -> dict[str, float]:
+        return {"middle_tokens": float(sum(b.n for b in self.middle)), "stream_tokens": float(self.stream.n)}
+
+    def clear(self) -> None:
+        dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
+        self.sinks, self.window = ExactStore(dtype), ExactStore(dtype)
+        self.middle, self.stream, self.decoding = [], TurboSegment(), False
+        self._query_energy = self._observer = None

@@ -1,0 +1,63 @@
+"""Salient middle tokens: the few each KV head keeps exact, those the prompt's last queries attend to
+most (SnapKV's observation window), max-pooled over neighbouring tokens."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvshrink.cache.store import to_storage
+
+
+@dataclass
+class SalientTokens:
+    """Middle tokens kept exact, chosen per KV head: block rows ``index [B, H_kv, m]`` (int32) and their
+    keys and values ``[B, H_kv, m, d]`` in the exact dtype."""
+
+    index: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def hidden(self, n: int) -> torch.Tensor:
+        """``[B, H_kv, 1, n]`` bool: True at the block rows held here (the codes' copies are not attended)."""
+        b, h, _ = self.index.shape
+        mask = torch.zeros(b, h, n, dtype=torch.bool, device=self.index.device)
+        return mask.scatter_(2, self.index.long(), True).unsqueeze(2)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.index, self.keys, self.values]
+
+
+# Observation queries scored at once (bounds the score block to rows x tokens, not all queries x tokens).
+_OBSERVE_ROWS = 16
+
+
+def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: float, pool: int) -> torch.Tensor:
+    """``[B, H_kv, n]``: the mean attention the grouped observation queries ``[B, H_kv, R, d]`` pay to
+    each of ``keys [B, H_kv, n, d]`` (softmax over these keys), max-pooled over ``pool`` neighbouring
+    tokens (a fact spans several tokens, and its neighbours are what gets copied next)."""
+    b, h, rows, _ = observer.shape
+    n = keys.shape[2]
+    probs = torch.zeros(b, h, n, dtype=torch.float32, device=keys.device)
+    for r in range(0, rows, _OBSERVE_ROWS):
+        scores = observer[:, :, r:r + _OBSERVE_ROWS] @ keys.transpose(-1, -2)
+        probs += torch.softmax(scores.mul_(scaling), dim=-1).sum(dim=2)
+    probs /= rows
+    pooled = torch.nn.functional.max_pool1d(probs.reshape(b * h, 1, n), pool, stride=1, padding=pool // 2)
+    return pooled.reshape(b, h, n)
+
+
+def pick_salient(observer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, fraction: float,
+                 dtype: torch.dtype, pool: int) -> SalientTokens | None:
+    """The ``ceil(fraction * n)`` rows per KV head of ``key/value [B, H_kv, n, d]`` most attended by the
+    observation queries, sorted by row."""
+    count = min(key.shape[2], math.ceil(fraction * key.shape[2] - 1e-9))  # 1e-9: 0.035 * 200 is not 7
+    if count == 0:
+        return None
+    importance = observed_importance(observer, key, scaling, pool)
+    index = importance.topk(count, dim=-1).indices.sort(dim=-1).values  # [B, H_kv, m]
+    rows = index.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
+    return SalientTokens(index.to(torch.int32), to_storage(key.gather(2, rows), dtype),
+                         to_storage(value.gather(2, rows), dtype))

@@ -1,0 +1,66 @@
+"""Shard's compressed segments: `MiddleBlock` (one prefill chunk's PCA key codes and VQ value
+codes) and `TurboSegment` (the TurboQuant decode stream)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvshrink.codecs.lloyd_max import TurboCode
+from kvshrink.codecs.pca import PCACode
+from kvshrink.methods.shard.salient import SalientTokens
+
+
+@dataclass
+class MiddleBlock:
+    """One prefill chunk's compressed middle tokens ``start .. start+n-1`` (no padding among them)."""
+
+    start: int
+    n: int
+    keys: list[PCACode]  # pre-RoPE keys [B, n, H_kv*d], one code per PCA scope (the layer, or each head)
+    v_codes: torch.Tensor  # [B, H_kv, n, ceil(d/group * bits / 8)] uint8
+    v_codebook: torch.Tensor  # [K, group] fp16
+    v_scale: torch.Tensor  # [H_kv, d] fp16, per (head, rotated channel)
+    salient: SalientTokens | None = None  # rows also held exact (their codes are masked in attention)
+
+    def parts(self) -> dict[str, list[torch.Tensor]]:
+        k = {kind: [t for code in self.keys for t in code.parts()[kind]] for kind in ("codes", "scales", "bases")}
+        return {"k_codes": k["codes"], "k_scales": k["scales"], "k_bases": k["bases"],
+                "v_codes": [self.v_codes], "v_scales": [self.v_scale], "v_codebooks": [self.v_codebook],
+                "salient": [] if self.salient is None else self.salient.tensors()}
+
+
+@dataclass
+class TurboSegment:
+    """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt)."""
+
+    keys: TurboCode | None = None
+    values: TurboCode | None = None
+    n: int = 0
+    runs: list = None  # (first index, count) of each appended run; python ints, for `dequantized`
+
+    def append(self, k: TurboCode, v: TurboCode, start: int, n: int) -> None:
+        self.runs = (self.runs or []) + [(start, n)]
+        if self.keys is None:
+            self.keys, self.values, self.n = k, v, n
+            return
+        self.keys = TurboCode.cat(self.keys, k)
+        self.values = TurboCode.cat(self.values, v)
+        self.n += n
+
+    def index(self, device) -> torch.Tensor:
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.runs])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.keys is None else self.keys.tensors() + self.values.tensors()
+
+
+def stacked_codes(codes: list[PCACode]) -> torch.Tensor:
+    """The packed codes of a block's PCA scopes side by side, ``[B, scopes, n, bytes]`` (narrower rows
+    zero-padded: their slots never read the padding)."""
+    if len(codes) == 1:
+        return codes[0].codes.unsqueeze(-3)
+    width = max(code.codes.shape[-1] for code in codes)
+    rows = [torch.nn.functional.pad(code.codes, (0, width - code.codes.shape[-1])) for code in codes]
+    return torch.stack(rows, dim=-3)

@@ -1,0 +1,75 @@
+"""`ShardShared`: what the layers of one Shard cache share (quantizers, codebooks, per-layer key
+budgets) and the per-step memo of RoPE tables."""
+
+from __future__ import annotations
+
+import torch
+
+from kvshrink.cache.base import StepContext
+from kvshrink.codecs import fused
+from kvshrink.codecs.hadamard import RandomRotation
+from kvshrink.codecs.lloyd_max import TurboQuantizer
+from kvshrink.codecs.bit_allocation import PCA_BITS
+from kvshrink.codecs.rope import rope_phases
+from kvshrink.codecs.scalar_levels import unit_levels
+from kvshrink.codecs.vq import gaussian_codebook
+from kvshrink.methods.shard.config import ShardConfig
+
+
+class ShardShared:
+    """State shared by the layers of one cache: quantizers, codebooks, per-layer key budgets, and a
+    per-step memo of RoPE tables (the middle's positions are the same in every layer)."""
+
+    def __init__(self, cfg: ShardConfig, num_layers: int, head_dim: int):
+        self.cfg = cfg
+        self.rotation = RandomRotation(head_dim, cfg.seed)
+        self.turbo = TurboQuantizer(head_dim, cfg.stream_bits, qjl=cfg.qjl, seed=cfg.seed + 1)
+        self.v_codebook = gaussian_codebook(cfg.v_group, cfg.v_codebook, seed=cfg.seed)
+        self.layer_key_bits: list[float] = [cfg.key_bits] * num_layers
+        # The key coefficient levels of every width the bit allocation may pick, computed now (once per
+        # process) rather than inside the first prompt's prefill.
+        for bits in PCA_BITS[1:]:
+            unit_levels(bits, cfg.k_levels)
+        self.num_layers = num_layers
+        self.fast = cfg.kernel == "fast"
+        if self.fast:
+            if not fused.available():
+                raise ImportError(f"shard: kernel='fast' needs numba ({fused.unavailable_reason()}); install it "
+                                  "with: pip install 'kvshrink[fast]' (or use kernel='reference')")
+            fused.warm_up()
+        self._rope_ctx: StepContext | None = None
+        self._rope_memo: dict[tuple, object] = {}
+
+    def rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``start .. start+n-1``, memoised per step."""
+        return self._memo(ctx, ("cos_sin", start, n), lambda: self._cos_sin(ctx, start, n))
+
+    def phases(self, ctx: StepContext, start: int, n: int) -> torch.Tensor:
+        """RoPE rotations ``[B, 1, n, d/2]`` (complex) of token indices ``start .. start+n-1``, memoised."""
+        return self._memo(ctx, ("phases", start, n), lambda: rope_phases(*self.rope(ctx, start, n)).unsqueeze(1))
+
+    def pair_rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, n, d/2]`` of each RoPE pair (the fused kernel's layout), memoised."""
+        def make():
+            phases = self.phases(ctx, start, n)[:, 0]
+            return phases.real.contiguous(), phases.imag.contiguous()
+
+        return self._memo(ctx, ("pair_rope", start, n), make)
+
+    def _cos_sin(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.arange(start, start + n, device=ctx.offset.device)
+        cos, sin = ctx.rope(ctx.positions(index))
+        return cos.float(), sin.float()
+
+    def _memo(self, ctx: StepContext, key: tuple, make):
+        if self._rope_ctx is not ctx:
+            self._rope_ctx, self._rope_memo = ctx, {}
+        if key not in self._rope_memo:
+            self._rope_memo[key] = make()
+        return self._rope_memo[key]
+
+    def end_of_step(self) -> None:
+        self._rope_ctx, self._rope_memo = None, {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_rope_ctx": None, "_rope_memo": {}}  # one step's memo is not state
