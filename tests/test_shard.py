@@ -1,3 +1,4 @@
+import math
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -209,6 +210,7 @@ def test_query_weighted_keys_store_a_per_channel_scale_from_the_queries():
 
 def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exact():
     from kvshrink.methods.shard import pick_salient
+    from kvshrink.methods.shard.salient import observed_importance
 
     g = torch.Generator().manual_seed(0)
     b, h, n, d = 2, 2, 200, 16
@@ -219,7 +221,8 @@ def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exa
     for i in range(b):
         for j in range(h):
             key[i, j, needles[i, j]] = observer[i, j].mean(0) * 60
-    chosen = pick_salient(observer, key, value, 0.25, fraction=0.035, dtype=torch.float16, pool=3)  # 7 rows
+    importance = observed_importance(observer, key, 0.25, pool=3)
+    chosen = pick_salient(importance, key, value, fraction=0.035, dtype=torch.float16)  # 7 rows
     assert chosen.index.shape == (b, h, 7) and chosen.index.dtype == torch.int32
     for i in range(b):
         for j in range(h):
@@ -332,3 +335,56 @@ def test_rope_types_shard_cannot_undo_exactly_are_refused(scaling, named):
     with pytest.raises(NotImplementedError, match=f"shard.*{named}"):
         kvshrink.make_cache("shard", model)
     kvshrink.make_cache("full", model)  # a method that keeps keys as they are takes any RoPE
+
+
+def test_eviction_drops_only_tokens_holding_at_most_the_given_attention_share():
+    from kvshrink.methods.shard.salient import tokens_to_keep
+
+    g = torch.Generator().manual_seed(0)
+    importance = torch.rand(1, 2, 100, generator=g) * 0.01
+    importance[0, 0, 10:20] = 1.0      # head 0 reads tokens 10..19
+    importance[0, 1, 50] = 2.0         # head 1 reads token 50
+    keep = tokens_to_keep(importance, 0.05)
+    share = importance / importance.sum(-1, keepdim=True)
+    dropped = ~keep
+    assert keep[10:20].all() and keep[50]
+    assert dropped.sum() > 30                                           # most of the unread tokens go
+    assert (share[..., dropped].sum(-1) <= 0.05 + 1e-6).all()           # within every head's budget
+    # one more token (the next in the order) would break some head's budget
+    assert tokens_to_keep(importance, 0.0).all()
+    flat = torch.ones(1, 2, 100)                                        # attention spread evenly
+    assert (~tokens_to_keep(flat, 0.05)).sum() == 5
+
+
+@pytest.mark.parametrize("scope", ["head", "layer"])
+def test_evicted_blocks_attend_exactly_over_the_tokens_they_keep(scope):
+    model = tiny_llama()
+    kept = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, pca_scope=scope, evict=0.1)
+    every = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, pca_scope=scope)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    prefill(model, kept, ids)
+    prefill(model, every, ids)
+    block = kept.layers[0].middle[0]
+    assert block.span == 280 and 0 < block.n < 280 and block.token_index("cpu").shape == (block.n,)
+    # the store holds only the kept rows (and their 1-bit map, counted)
+    assert kept.breakdown()["middle_kept"] == sum(math.ceil(280 / 8) for _ in kept.layers)
+    assert kept.nbytes() < every.nbytes()
+    # attention from the packed store == exact attention over the rebuilt kept tokens at their positions
+    check_equivalence(kept, 1)
+    with torch.no_grad():
+        for t in range(3):
+            model(torch.tensor([[t + 1]]), past_key_values=kept)
+    check_equivalence(kept, 1, seed=2)
+
+
+def test_eviction_keeps_the_needle_the_last_queries_read_and_its_neighbours():
+    from kvshrink.methods.shard.salient import observed_importance, tokens_to_keep
+
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(1, 2, 300, 16, generator=g)
+    observer = torch.randn(1, 2, 6, 16, generator=g) * 0.1
+    key[0, 0, 120] = observer[0, 0].mean(0) * 60                        # head 0's needle
+    key[0, 1, 200] = observer[0, 1].mean(0) * 60                        # head 1's needle
+    keep = tokens_to_keep(observed_importance(observer, key, 0.25, pool=5), 0.3)
+    assert (~keep).sum() > 60                                           # much of the haystack goes
+    assert keep[118:123].all() and keep[198:203].all()                  # each needle and its pooled neighbours stay

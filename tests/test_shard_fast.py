@@ -50,6 +50,7 @@ def assert_fast_equals_reference(cache, batch, rows=(1, 3), layers=None, ctx=Non
     dict(v_group=2, v_codebook=16),                           # 4-bit value codes
     dict(v_group=8, v_codebook=32),                           # 5-bit value codes straddle bytes
     dict(key_weights="query"),                                # per-column scale folded into the tables
+    dict(evict=0.1, salient=0.05),                            # evicted tokens: RoPE at the kept positions
 ])
 def test_fused_block_attention_equals_reference(opts):
     model = tiny_llama()

@@ -57,6 +57,10 @@ class ShardConfig:
                               "error)", choices=KEY_WEIGHTS)
     salient: float = option(0.015, "fraction of each block's middle tokens kept exact per KV head: those the "
                             "prompt's last `observe` queries attend to most (SnapKV-style)", low=0, high=0.5)
+    evict: float = option(0.0, "share of the prompt's observed attention the evicted middle tokens may hold: "
+                          "each block drops its least-attended tokens (by the last `observe` queries, pooled "
+                          "like `salient`) while they hold at most this share of every KV head's attention "
+                          "(0 = keep every token)", low=0, high=0.5)
     observe: int = option(32, "last prompt queries whose attention picks the salient tokens", low=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)

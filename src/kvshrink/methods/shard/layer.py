@@ -17,7 +17,7 @@ from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
 from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, scaled_bases, slot_plan
 from kvshrink.codecs.vq import assign_codes, fit_codebook
-from kvshrink.methods.shard.salient import pick_salient
+from kvshrink.methods.shard.salient import observed_importance, pick_salient, tokens_to_keep
 from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stacked_codes
 from kvshrink.methods.shard.shared import ShardShared
 
@@ -61,7 +61,7 @@ class ShardLayer(CacheLayer):
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         if ctx.q_len > 1 and self.cfg.key_weights == "query":
             self._query_energy = self.query_pair_energy(query, ctx)
-        if ctx.q_len > 1 and self.cfg.salient > 0:
+        if ctx.q_len > 1 and (self.cfg.salient > 0 or self.cfg.evict > 0):
             self._observer = group_queries(query[:, :, -self.cfg.observe:].float(), self.h_kv)
         exact = self.exact_partial(query, ctx)
         parts = [exact] if exact is not None else []
@@ -103,7 +103,8 @@ class ShardLayer(CacheLayer):
         return TableDecoder(block.keys, columns=columns, table_dtype=torch.float16)
 
     def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
-                    paired: bool = False, decoder: TableDecoder | None = None) -> torch.Tensor:
+                    paired: bool = False, decoder: TableDecoder | None = None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
         """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes;
         ``paired=True`` returns each head's channels in RoPE pair order (score them against queries
         in the same order), else in the model's order."""
@@ -111,7 +112,12 @@ class ShardLayer(CacheLayer):
         if pre.shape[1] != self.h_kv:                                # one PCA over the layer
             b, _, n, _ = pre.shape
             pre = pre.reshape(b, n, self.h_kv, self.d).transpose(1, 2)
-        keys = apply_rope_paired(pre, self.shared.phases(ctx, block.start + start, stop - start))
+        if block.kept is None:
+            phases = self.shared.phases(ctx, block.start + start, stop - start)
+        else:
+            rows = block.rows() if rows is None else rows
+            phases = self.shared.phases(ctx, block.start, block.covers, rows[start:stop])
+        keys = apply_rope_paired(pre, phases)
         return keys if paired else keys[..., torch.argsort(pair_order(self.d, device=keys.device))]
 
     def middle_values(self, block: MiddleBlock, probs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -162,7 +168,7 @@ class ShardLayer(CacheLayer):
         qg = group_queries(query.float(), self.h_kv)[..., pairs].contiguous()  # keys come in pair order
         plan = self.slot_plan(block)
         scaled, mean = scaled_bases(block.keys, plan.columns)
-        cos, sin = self.shared.pair_rope(ctx, block.start, block.n)
+        cos, sin = self.shared.pair_rope(ctx, block.start, block.covers, block.rows())
         hidden = None if block.salient is None else block.salient.index
         k_entries, group = block.v_codebook.shape
         bins, lse = fused.code_attention(
@@ -189,9 +195,10 @@ class ShardLayer(CacheLayer):
         parts = []
         decoder = self.key_decoder(block)
         hidden = None if block.salient is None else block.salient.hidden(block.n)
+        rows = block.rows()
         for start in range(0, block.n, step):
             stop = min(block.n, start + step)
-            keys = self.middle_keys(block, start, stop, ctx, paired=True, decoder=decoder)
+            keys = self.middle_keys(block, start, stop, ctx, paired=True, decoder=decoder, rows=rows)
             scores = qg @ keys.transpose(-1, -2) * ctx.scaling
             if hidden is not None:
                 scores.masked_fill_(hidden[..., start:stop], float("-inf"))
@@ -270,20 +277,31 @@ class ShardLayer(CacheLayer):
     def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext) -> MiddleBlock:
         # One helper per path, so each path's full-size temporaries are freed before the next starts
         # (extra peak memory stays below one layer's prompt K+V; measured by a test).
-        keys = self.encode_keys(key, start, ctx)
+        observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
+        importance = None
+        if observer is not None and (self.cfg.salient > 0 or self.cfg.evict > 0):
+            importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
+        span, kept, rows = key.shape[2], None, None
+        if importance is not None and self.cfg.evict > 0:
+            keep = tokens_to_keep(importance, self.cfg.evict)
+            if not bool(keep.all()):
+                rows = keep.nonzero().squeeze(-1)
+                key, value, importance = key[:, :, rows], value[:, :, rows], importance[..., rows]
+                kept = pack_bits(keep.to(torch.uint8), 1)
+        keys = self.encode_keys(key, start, ctx, rows, span)
         v_codes, codebook, scale = self.encode_values(value)
         salient = None
-        observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
-        if self.cfg.salient > 0 and observer is not None:
-            salient = pick_salient(observer, key, value, ctx.scaling, self.cfg.salient,
-                                   self.sinks.dtype, self.cfg.salient_pool)
+        if self.cfg.salient > 0 and importance is not None:
+            salient = pick_salient(importance, key, value, self.cfg.salient, self.sinks.dtype)
         return MiddleBlock(start=start, n=key.shape[2], keys=keys, v_codes=v_codes, v_codebook=codebook,
-                           v_scale=scale, salient=salient)
+                           v_scale=scale, salient=salient, kept=kept, span=span if kept is not None else 0)
 
-    def encode_keys(self, key: torch.Tensor, start: int, ctx: StepContext) -> list[PCACode]:
-        """Post-RoPE keys ``[B, H_kv, n, d]`` -> one `PCACode` of the pre-RoPE keys per PCA scope."""
+    def encode_keys(self, key: torch.Tensor, start: int, ctx: StepContext, rows: torch.Tensor | None = None,
+                    span: int = 0) -> list[PCACode]:
+        """Post-RoPE keys ``[B, H_kv, n, d]`` of tokens ``start .. start+n-1`` (or ``start + rows`` of a
+        ``span``-token block) -> one `PCACode` of the pre-RoPE keys per PCA scope."""
         b, h, n, d = key.shape
-        cos, sin = self.shared.rope(ctx, start, n)
+        cos, sin = self.shared.rope(ctx, start, span or n, rows)
         scopes = h if self.cfg.pca_scope == "head" else 1
         width = h * d // scopes
         column_scale = self.key_column_scale(width)
@@ -347,7 +365,7 @@ class ShardLayer(CacheLayer):
                 k = k.scatter(2, rows, block.salient.keys.float())
                 v = v.scatter(2, rows, block.salient.values.float())
             keys.append(k), values.append(v)
-            index.append(torch.arange(block.start, block.start + block.n, device=device))
+            index.append(block.token_index(device))
         if self.stream.n:
             keys.append(self.shared.turbo.decode(self.stream.keys))
             values.append(self.shared.turbo.decode(self.stream.values))
@@ -360,7 +378,7 @@ class ShardLayer(CacheLayer):
     # ---- accounting -------------------------------------------------------------------------------------
     def breakdown(self) -> dict[str, int]:
         out = {"sinks": held_bytes(self.sinks.tensors()), "window": held_bytes(self.window.tensors())}
-        for kind in ("k_codes", "k_scales", "k_bases", "v_codes", "v_scales", "v_codebooks", "salient"):
+        for kind in ("k_codes", "k_scales", "k_bases", "v_codes", "v_scales", "v_codebooks", "salient", "kept"):
             out[f"middle_{kind}"] = 0
         for block in self.middle:
             for kind, tensors in block.parts().items():

@@ -49,15 +49,29 @@ def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: flo
     return pooled.reshape(b, h, n)
 
 
-def pick_salient(observer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, fraction: float,
-                 dtype: torch.dtype, pool: int) -> SalientTokens | None:
-    """The ``ceil(fraction * n)`` rows per KV head of ``key/value [B, H_kv, n, d]`` most attended by the
-    observation queries, sorted by row."""
+def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fraction: float,
+                 dtype: torch.dtype) -> SalientTokens | None:
+    """The ``ceil(fraction * n)`` rows per KV head of ``key/value [B, H_kv, n, d]`` of highest
+    ``importance [B, H_kv, n]`` (see `observed_importance`), sorted by row."""
     count = min(key.shape[2], math.ceil(fraction * key.shape[2] - 1e-9))  # 1e-9: 0.035 * 200 is not 7
     if count == 0:
         return None
-    importance = observed_importance(observer, key, scaling, pool)
     index = importance.topk(count, dim=-1).indices.sort(dim=-1).values  # [B, H_kv, m]
     rows = index.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
     return SalientTokens(index.to(torch.int32), to_storage(key.gather(2, rows), dtype),
                          to_storage(value.gather(2, rows), dtype))
+
+
+def tokens_to_keep(importance: torch.Tensor, mass: float) -> torch.Tensor:
+    """``[n]`` bool: the tokens a block stores. The least important tokens go, in ascending order of the
+    most importance any KV head gives them, while they hold at most ``mass`` of every head's observed
+    attention (``importance [B, H_kv, n]``): how many go is decided by how peaked the prompt's attention
+    is in this layer, not by a fixed count."""
+    share = importance / importance.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    share = share.reshape(-1, share.shape[-1])                                  # [B*H_kv, n]
+    order = share.amax(dim=0).argsort()
+    worst = share[:, order].cumsum(dim=-1).amax(dim=0)                          # dropped share, worst head
+    dropped = int((worst <= mass).sum())
+    keep = torch.ones(share.shape[-1], dtype=torch.bool, device=share.device)
+    keep[order[:dropped]] = False
+    return keep

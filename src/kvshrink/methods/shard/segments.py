@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshrink.codecs.bitpack import unpack_bits
 from kvshrink.codecs.lloyd_max import TurboCode
 from kvshrink.codecs.pca import PCACode
 from kvshrink.methods.shard.salient import SalientTokens
@@ -14,7 +15,8 @@ from kvshrink.methods.shard.salient import SalientTokens
 
 @dataclass
 class MiddleBlock:
-    """One prefill chunk's compressed middle tokens ``start .. start+n-1`` (no padding among them)."""
+    """One prefill chunk's compressed middle tokens: ``start .. start+n-1``, or, when some were evicted,
+    the ``n`` tokens of ``start .. start+span-1`` that ``kept`` marks (no padding among them)."""
 
     start: int
     n: int
@@ -23,12 +25,33 @@ class MiddleBlock:
     v_codebook: torch.Tensor  # [K, group] fp16
     v_scale: torch.Tensor  # [H_kv, d] fp16, per (head, rotated channel)
     salient: SalientTokens | None = None  # rows also held exact (their codes are masked in attention)
+    kept: torch.Tensor | None = None  # [ceil(span/8)] uint8: 1 bit per covered token, set if stored
+    span: int = 0  # tokens covered, stored or evicted (n when nothing was evicted)
+
+    @property
+    def covers(self) -> int:
+        """Tokens the block covers: ``start .. start+covers-1``."""
+        return self.span or self.n
+
+    def rows(self) -> torch.Tensor | None:
+        """Offsets from ``start`` of the stored tokens ``[n]`` (None: all of ``start .. start+n-1``)."""
+        if self.kept is None:
+            return None
+        return unpack_bits(self.kept, 1, self.span).nonzero().squeeze(-1)
+
+    def token_index(self, device) -> torch.Tensor:
+        """Token indices ``[n]`` of the stored rows."""
+        rows = self.rows()
+        if rows is None:
+            return torch.arange(self.start, self.start + self.n, device=device)
+        return rows.to(device) + self.start
 
     def parts(self) -> dict[str, list[torch.Tensor]]:
         k = {kind: [t for code in self.keys for t in code.parts()[kind]] for kind in ("codes", "scales", "bases")}
         return {"k_codes": k["codes"], "k_scales": k["scales"], "k_bases": k["bases"],
                 "v_codes": [self.v_codes], "v_scales": [self.v_scale], "v_codebooks": [self.v_codebook],
-                "salient": [] if self.salient is None else self.salient.tensors()}
+                "salient": [] if self.salient is None else self.salient.tensors(),
+                "kept": [] if self.kept is None else [self.kept]}
 
 
 @dataclass

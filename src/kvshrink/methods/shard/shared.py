@@ -40,21 +40,35 @@ class ShardShared:
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
 
-    def rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``start .. start+n-1``, memoised per step."""
-        return self._memo(ctx, ("cos_sin", start, n), lambda: self._cos_sin(ctx, start, n))
+    def rope(self, ctx: StepContext, start: int, n: int,
+             rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``start .. start+n-1``, memoised per step;
+        of ``start + rows`` when ``rows`` is given."""
+        cos, sin = self._memo(ctx, ("cos_sin", start, n), lambda: self._cos_sin(ctx, start, n))
+        if rows is None:
+            return cos, sin
+        rows = rows.to(cos.device)
+        return cos.index_select(1, rows), sin.index_select(1, rows)
 
-    def phases(self, ctx: StepContext, start: int, n: int) -> torch.Tensor:
-        """RoPE rotations ``[B, 1, n, d/2]`` (complex) of token indices ``start .. start+n-1``, memoised."""
-        return self._memo(ctx, ("phases", start, n), lambda: rope_phases(*self.rope(ctx, start, n)).unsqueeze(1))
+    def phases(self, ctx: StepContext, start: int, n: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """RoPE rotations ``[B, 1, n, d/2]`` (complex) of token indices ``start .. start+n-1`` (memoised:
+        every layer's block covers the same tokens), or of ``start + rows`` when ``rows`` is given."""
+        phases = self._memo(ctx, ("phases", start, n), lambda: rope_phases(*self.rope(ctx, start, n)).unsqueeze(1))
+        return phases if rows is None else phases.index_select(2, rows.to(phases.device))
 
-    def pair_rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``(cos, sin)`` ``[B, n, d/2]`` of each RoPE pair (the fused kernel's layout), memoised."""
+    def pair_rope(self, ctx: StepContext, start: int, n: int,
+                  rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, n, d/2]`` of each RoPE pair (the fused kernel's layout), memoised;
+        of ``start + rows`` when ``rows`` is given."""
         def make():
             phases = self.phases(ctx, start, n)[:, 0]
             return phases.real.contiguous(), phases.imag.contiguous()
 
-        return self._memo(ctx, ("pair_rope", start, n), make)
+        cos, sin = self._memo(ctx, ("pair_rope", start, n), make)
+        if rows is None:
+            return cos, sin
+        rows = rows.to(cos.device)
+        return cos.index_select(1, rows), sin.index_select(1, rows)
 
     def _cos_sin(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.arange(start, start + n, device=ctx.offset.device)
