@@ -148,6 +148,9 @@ class CacheLayer(CacheLayerMixin):
         """Drop every stored token (called by ``reset``)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the layer holds outside Python memory (files, threads); nothing by default."""
+
     # ---- framework --------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
@@ -473,9 +476,7 @@ class KVShrinkCache(CacheAccounting, Cache):
     def close(self) -> None:
         """Release what layers hold outside Python memory (e.g. LRQK's disk tier files)."""
         for layer in self.layers:
-            close = getattr(layer, "close", None)
-            if close is not None:
-                close()
+            layer.close()
 
     def reset(self) -> None:
         """Empty every layer so the cache can take a new prompt."""

@@ -83,9 +83,7 @@ class RowSplitLayer(CacheLayer):
 
     def close(self) -> None:
         for layer in self.rows:
-            close = getattr(layer, "close", None)
-            if close is not None:
-                close()
+            layer.close()
 
     def shared_on_fork(self) -> list:
         return [obj for layer in self.rows for obj in layer.shared_on_fork()]
