@@ -10,10 +10,13 @@ probabilities) and ``choose`` (what to keep).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvshrink.cache.attention import Partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.registry import option
 from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes
 
 # Probability elements computed at once while scoring (bounds prefill memory: never T x T x heads).
@@ -35,6 +38,21 @@ def check_count_option(value: float, name: str, allow_zero: bool = False) -> Non
     if not low_ok or (value >= 1 and not float(value).is_integer()):
         allowed = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be {allowed}: a whole count (>= 1) or a fraction in (0, 1); got {value}")
+
+
+@dataclass
+class EvictionOptions:
+    """The options every scored eviction method takes (counts or fractions, see :func:`resolve_counts`);
+    a method's options dataclass extends it (and may redeclare a field's default and help)."""
+
+    budget: float = option(0.2, "most tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the "
+                                "tokens seen so far", low=0, low_open=True)
+    recent: float = option(0.25, "most recent tokens never evicted: a count (>= 1) or a fraction (0 <= f < 1) "
+                                 "of the budget", low=0)
+
+    def __post_init__(self):
+        check_count_option(self.budget, "budget")
+        check_count_option(self.recent, "recent", allow_zero=True)
 
 
 class ScoredEvictionLayer(CacheLayer):
