@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvshrink
-from conftest import assert_batch_rows_equal_alone, greedy, prompts, tiny_model
+from conftest import assert_batch_rows_equal_alone, greedy, left_pad, prompts, tiny_model
 from kvshrink.cache.base import LayerSpec, ModelInfo, StepContext
 from kvshrink.methods.h2o import H2OLayer, H2OOptions
 from kvshrink.methods.kivi import KiviLayer, KiviOptions
@@ -216,6 +216,40 @@ def test_scissorhands_drops_a_one_off_heavy_hitter_that_h2o_keeps():
     assert 2 in kept_tokens(h2o, 1, 1)[0][0]
     kept_sc = kept_tokens(sc, 1, 1)[0][0]
     assert {5, 6} <= kept_sc and 2 not in kept_sc
+
+
+@pytest.mark.parametrize("method,options", [
+    ("h2o", {"budget": 24, "recent": 8}),
+    ("scissorhands", {"budget": 24, "recent": 4, "drop": 3, "history": 8}),
+])
+def test_eviction_scores_the_same_in_small_blocks_of_query_rows(monkeypatch, method, options):
+    """A large step's probabilities are observed block by block of query rows (bounded memory): blocks of
+    one or a few rows keep the same tokens and answer the same as the whole step at once, through a
+    left-padded prefill, a prefill with past and decoding."""
+    import kvshrink.cache.eviction as eviction
+
+    model = tiny_model()
+    ids, mask = left_pad(prompts([40, 56, 25], seed=5))
+
+    def run():
+        cache = kvshrink.make_cache(method, model, **options)
+        with torch.no_grad():
+            logits = [model(input_ids=ids[:, :32], attention_mask=mask[:, :32], past_key_values=cache).logits,
+                      model(input_ids=ids[:, 32:], attention_mask=mask, past_key_values=cache).logits]
+            seen = mask
+            for _ in range(6):
+                seen = torch.cat([seen, torch.ones(3, 1, dtype=torch.long)], dim=1)
+                nxt = logits[-1][:, -1:].argmax(-1)
+                logits.append(model(input_ids=nxt, attention_mask=seen, past_key_values=cache).logits)
+        return logits, kept_tokens(cache.layers[1], 3, 2)
+
+    whole, kept = run()
+    for elements in (1 << 11, 1 << 8):  # a few query rows per block, then one
+        monkeypatch.setattr(eviction, "_SCORE_BLOCK_ELEMENTS", elements)
+        blocked, kept_blocked = run()
+        assert kept_blocked == kept
+        for a, b in zip(blocked, whole):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- eviction with GQA + left padding

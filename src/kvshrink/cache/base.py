@@ -125,7 +125,9 @@ class CacheLayer(CacheLayerMixin):
 
     # ---- what a method implements -------------------------------------------------------------
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
-        """Attention of ``query [B, H_q, q, d]`` over the tokens stored before this step."""
+        """Attention of ``query [B, H_q, q, d]`` over the tokens stored before this step. A layer with
+        ``observes_attention`` also takes ``return_probs``: when True it returns ``(Partial, probs [B, H_q,
+        q, n_part])`` pairs, the probabilities normalised within each part (as `exact_partial`)."""
         raise NotImplementedError
 
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
@@ -151,6 +153,24 @@ class CacheLayer(CacheLayerMixin):
     def close(self) -> None:
         """Release what the layer holds outside Python memory (files, threads); nothing by default."""
 
+    # ---- what a layer that scores tokens by the attention they get implements (H2O, Scissorhands) ----
+    # With ``observes_attention`` the step's attention is computed in blocks of `probs_block_rows` query
+    # rows, and the probabilities of each block `wants_probs` accepts go to `observe_attention`.
+    observes_attention = False
+
+    def wants_probs(self, start: int, stop: int, q_len: int) -> bool:
+        """Whether query rows ``start..stop-1`` of a ``q_len``-token step need probabilities."""
+        return True
+
+    def probs_block_rows(self, query: torch.Tensor, ctx: StepContext) -> int:
+        """Query rows per block (bounds the probabilities held at once)."""
+        return ctx.q_len
+
+    def observe_attention(self, probs: torch.Tensor, start: int, stop: int, ctx: StepContext) -> None:
+        """``probs [B, H_q, stop-start, n]``: the attention of query rows ``start..stop-1`` over the tokens
+        of `past_partials`' parts (in their order), then this step's first ``stop`` tokens, normalised
+        over all of them."""
+
     # ---- framework --------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
@@ -168,15 +188,36 @@ class CacheLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Attention output ``[B, q, H_q, d]`` for this step, then commit the new tokens."""
         key, value = self._pending
-        parts = self.past_partials(query, ctx)
-        if not parts and ctx.q_len > 1:
-            out = causal_chunk_attention(query, key, value, ctx.scaling, ctx.pad_len).float()
+        if self.observes_attention:
+            out = self._observed_attention(query, key, value, ctx)
         else:
-            parts.append(self._chunk_partial(query, key, value, ctx))
-            out = merge_partials(parts).out
+            parts = self.past_partials(query, ctx)
+            if not parts and ctx.q_len > 1:
+                out = causal_chunk_attention(query, key, value, ctx.scaling, ctx.pad_len).float()
+            else:
+                parts.append(self._chunk_partial(query, key, value, ctx))
+                out = merge_partials(parts).out
         self._pending = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    def _observed_attention(self, query, key, value, ctx: StepContext) -> torch.Tensor:
+        """``[B, H_q, q, d]`` (float32) block by block of query rows, each wanted block's probabilities
+        handed to `observe_attention`."""
+        q, step, outs = ctx.q_len, self.probs_block_rows(query, ctx), []
+        for start in range(0, q, step):
+            stop = min(q, start + step)
+            rows, want = query[:, :, start:stop], self.wants_probs(start, stop, q)
+            parts = self.past_partials(rows, ctx, return_probs=want)
+            parts.append(exact_partial(rows, key[:, :, :stop], value[:, :, :stop], ctx.scaling,
+                                       key_index=ctx.new_index[:stop], query_index=ctx.new_index[start:stop],
+                                       pad_len=ctx.pad_len, return_probs=want))
+            merged = merge_partials([part for part, _ in parts] if want else parts)
+            if want:  # each part's probabilities are normalised within the part: rescale to the whole softmax
+                probs = [p * torch.exp(part.lse - merged.lse).unsqueeze(-1) for part, p in parts]
+                self.observe_attention(torch.cat(probs, dim=-1), start, stop, ctx)
+            outs.append(merged.out)
+        return torch.cat(outs, dim=2)
 
     @staticmethod
     def _chunk_partial(query, key, value, ctx: StepContext) -> Partial:

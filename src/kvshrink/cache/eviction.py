@@ -1,19 +1,22 @@
 """Eviction by attention statistics: the part H2O, Scissorhands and any method like them share.
 
 ``ScoredEvictionLayer`` is a per-KV-head exact store whose eviction is driven by the attention
-probabilities the layer computes itself. Each KV head chooses its own tokens, so the store keeps its
-rows as ``B * H_kv`` one-head rows (``ExactStore`` with batch ``B*H_kv``); the ``G`` query heads of a
-KV head are that row's query heads, so keys are never repeated to query heads. A method implements
-``observe`` (update per-token statistics from one block of probabilities) and ``choose`` (what to keep).
+probabilities the framework hands it (``CacheLayer.observe_attention``). Each KV head chooses its own
+tokens, so the store keeps its rows as ``B * H_kv`` one-head rows (``ExactStore`` with batch
+``B*H_kv``); the ``G`` query heads of a KV head are that row's query heads, so keys are never repeated
+to query heads. A method implements ``observe`` (update per-token statistics from one block of
+probabilities) and ``choose`` (what to keep).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial, merge_partials
+from kvshrink.cache.attention import Partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.registry import option
 from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes
 
 # Probability elements computed at once while scoring (bounds prefill memory: never T x T x heads).
@@ -37,6 +40,21 @@ def check_count_option(value: float, name: str, allow_zero: bool = False) -> Non
         raise ValueError(f"{name} must be {allowed}: a whole count (>= 1) or a fraction in (0, 1); got {value}")
 
 
+@dataclass
+class EvictionOptions:
+    """The options every scored eviction method takes (counts or fractions, see :func:`resolve_counts`);
+    a method's options dataclass extends it (and may redeclare a field's default and help)."""
+
+    budget: float = option(0.2, "most tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the "
+                                "tokens seen so far", low=0, low_open=True)
+    recent: float = option(0.25, "most recent tokens never evicted: a count (>= 1) or a fraction (0 <= f < 1) "
+                                 "of the budget", low=0)
+
+    def __post_init__(self):
+        check_count_option(self.budget, "budget")
+        check_count_option(self.recent, "recent", allow_zero=True)
+
+
 class ScoredEvictionLayer(CacheLayer):
     """An exact per-KV-head store evicting by statistics of the attention it computes.
 
@@ -54,10 +72,6 @@ class ScoredEvictionLayer(CacheLayer):
         self.evicted = 0
 
     # ---- what a scored method implements --------------------------------------------------------
-    def wants_probs(self, start: int, stop: int, q_len: int) -> bool:
-        """Whether query rows ``start..stop-1`` of a ``q_len``-token step need probabilities."""
-        return True
-
     def observe(self, probs: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, start: int, q_len: int) -> None:
         """Update ``self.score`` from ``probs [B*H_kv, qb, n]`` (query rows ``start..``, group-mean,
         normalised over every visible token; columns = stored tokens then this step's tokens up to
@@ -69,48 +83,32 @@ class ScoredEvictionLayer(CacheLayer):
         """``(positions [B*H_kv, m], filler [B*H_kv, m])`` to keep (see :func:`select_per_row`), or None."""
         raise NotImplementedError
 
-    # ---- attention with probabilities ----------------------------------------------------------------
-    def attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        key, value = self._pending
-        self._pending = None
-        b, hq, q, d = query.shape
-        hkv = self.info.num_kv_heads
-        g = hq // hkv
-        rows_q = query.reshape(b * hkv, g, q, d)  # query heads j*G..j*G+G-1 belong to KV head j
-        new_k = key.reshape(b * hkv, 1, q, d)
-        new_v = value.reshape(b * hkv, 1, q, d)
-        pad = None if ctx.pad_len is None else ctx.pad_len.repeat_interleave(hkv)
-        new_index = ctx.new_index
-        n_old = len(self.store)
-        self.begin_step(b * hkv, q, query.device)
-        step = max(1, _SCORE_BLOCK_ELEMENTS // max(1, b * hq * (n_old + q)))
-        outs = []
-        for start in range(0, q, step):
-            stop = min(q, start + step)
-            want = self.wants_probs(start, stop, q)
-            parts, probs = [], []
-            if n_old:
-                got = self.store.partial(rows_q[:, :, start:stop], ctx.scaling, pad, return_probs=want)
-                parts.append(got[0] if want else got)
-                probs.append(got[1] if want else None)
-            got = exact_partial(rows_q[:, :, start:stop], new_k[:, :, :stop], new_v[:, :, :stop], ctx.scaling,
-                                key_index=new_index[:stop], query_index=new_index[start:stop], pad_len=pad,
-                                return_probs=want)
-            parts.append(got[0] if want else got)
-            probs.append(got[1] if want else None)
-            merged = merge_partials(parts)
-            if want:
-                self._observe_block(parts, probs, merged, pad, new_index, start, stop, q)
-            outs.append(merged.out)
-        out = torch.cat(outs, dim=2).reshape(b, hq, q, d)
-        self.commit(key, value, ctx)
-        return out.to(query.dtype).transpose(1, 2).contiguous()
+    # ---- attention with probabilities (the framework's hooks, see CacheLayer) -------------------------
+    observes_attention = True
 
-    def _observe_block(self, parts: list[Partial], probs: list[torch.Tensor], merged: Partial,
-                       pad: torch.Tensor | None, new_index: torch.Tensor, start: int, stop: int, q: int) -> None:
-        # A part's probabilities are normalised within the part; rescale to the whole softmax.
-        glob = [p * torch.exp(part.lse - merged.lse).unsqueeze(-1) for part, p in zip(parts, probs)]
-        group_mean = torch.cat(glob, dim=-1).mean(dim=1)  # [B*Hkv, qb, n_old + stop]
+    def probs_block_rows(self, query: torch.Tensor, ctx: StepContext) -> int:
+        b, hq = query.shape[:2]
+        return max(1, _SCORE_BLOCK_ELEMENTS // max(1, b * hq * (len(self.store) + ctx.q_len)))
+
+    def past_partials(self, query: torch.Tensor, ctx: StepContext, return_probs: bool = False) -> list:
+        """The store's partial, computed on one-head rows: query heads ``j*G..j*G+G-1`` of a batch row
+        against the tokens its KV head ``j`` keeps."""
+        if not len(self.store):
+            return []
+        b, hq, q, d = query.shape
+        rows_q = query.reshape(b * self.info.num_kv_heads, hq // self.info.num_kv_heads, q, d)
+        got = self.store.partial(rows_q, ctx.scaling, self._row_pad(ctx), return_probs=return_probs)
+        part, probs = got if return_probs else (got, None)
+        part = Partial(part.out.reshape(b, hq, q, d), part.lse.reshape(b, hq, q))
+        return [(part, probs.reshape(b, hq, q, -1))] if return_probs else [part]
+
+    def observe_attention(self, probs: torch.Tensor, start: int, stop: int, ctx: StepContext) -> None:
+        b, hq, qb, n = probs.shape
+        hkv = self.info.num_kv_heads
+        if self.score is None or self.score.shape[1] == len(self.store):  # the step's first observed block
+            self.begin_step(b * hkv, ctx.q_len, probs.device)
+        group_mean = probs.reshape(b * hkv, hq // hkv, qb, n).mean(dim=1)  # [B*Hkv, qb, n_old + stop]
+        pad, new_index = self._row_pad(ctx), ctx.new_index
         qidx = new_index[start:stop]
         rows = torch.ones(group_mean.shape[0], stop - start, device=qidx.device)
         n_real_old = self._real_stored(pad)
@@ -119,7 +117,11 @@ class ScoredEvictionLayer(CacheLayer):
             rows = (qidx[None, :] >= pad[:, None]).to(rows.dtype)
             first_real_new = (pad[:, None] - new_index[0]).clamp(min=0)
             visible_new = (qidx[None, :] - new_index[0] + 1 - first_real_new).clamp(min=1).to(rows.dtype)
-        self.observe(group_mean * rows.unsqueeze(-1), rows, n_real_old[:, None] + visible_new, start, q)
+        self.observe(group_mean * rows.unsqueeze(-1), rows, n_real_old[:, None] + visible_new, start, ctx.q_len)
+
+    def _row_pad(self, ctx: StepContext) -> torch.Tensor | None:
+        """``[B*H_kv]`` left padding of each one-head row (None without padding)."""
+        return None if ctx.pad_len is None else ctx.pad_len.repeat_interleave(self.info.num_kv_heads)
 
     def _real_stored(self, pad: torch.Tensor | None) -> torch.Tensor:
         n = len(self.store)
@@ -160,7 +162,7 @@ class ScoredEvictionLayer(CacheLayer):
         index = index if index.dim() == 2 else index.unsqueeze(0).expand(self.score.shape[0], -1)
         if ctx.pad_len is None:
             return torch.zeros_like(index, dtype=torch.bool)
-        return index < ctx.pad_len.repeat_interleave(self.info.num_kv_heads)[:, None]
+        return index < self._row_pad(ctx)[:, None]
 
     def real_seen(self, ctx: StepContext) -> torch.Tensor:
         """``[B*H_kv]`` real (non-padding) tokens each row has seen: what a fraction budget is a share of."""
@@ -168,10 +170,7 @@ class ScoredEvictionLayer(CacheLayer):
         seen = torch.full((rows,), self.seen, dtype=torch.long, device=self.score.device)
         if ctx.pad_len is None:
             return seen
-        return seen - ctx.pad_len.repeat_interleave(self.info.num_kv_heads).to(seen.device)
-
-    def past_partials(self, query: torch.Tensor, ctx: StepContext):  # attend() is overridden
-        raise NotImplementedError("scored eviction layers compute attention in attend()")
+        return seen - self._row_pad(ctx).to(seen.device)
 
     def nbytes(self) -> int:
         return self.store.nbytes() + held_bytes([self.score])

@@ -10,20 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvshrink.cache.base import LayerSpec, StepContext
-from kvshrink.cache.eviction import ScoredEvictionLayer, check_count_option, resolve_counts, select_per_row
+from kvshrink.cache.eviction import EvictionOptions, ScoredEvictionLayer, resolve_counts, select_per_row
 from kvshrink.cache.registry import option, register_method
 
 
 @dataclass
-class H2OOptions:
-    budget: float = option(0.2, "tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the tokens "
-                                "seen so far", low=0, low_open=True)
+class H2OOptions(EvictionOptions):
     recent: float = option(0.5, "of the budget, the most recent tokens always kept: a count (>= 1), or a "
                                 "fraction (0 <= f < 1) of the budget (the rest are heavy hitters)", low=0)
-
-    def __post_init__(self):
-        check_count_option(self.budget, "budget")
-        check_count_option(self.recent, "recent", allow_zero=True)
 
 
 @register_method(

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
-from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import DEQUANT_BLOCK, ExactStore, exact_storage_dtype, held_bytes, partial_or_none
+from kvshrink.cache.residual_layer import ExactResidualLayer
+from kvshrink.cache.store import DEQUANT_BLOCK, held_bytes
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
 
 def fill_padding(x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -62,28 +63,26 @@ class KiviOptions:
     "KIVI: asymmetric 2/4-bit quantization, keys per channel and values per token in groups, exact recent residual",
     options=KiviOptions,
 )
-class KiviLayer(CacheLayer):
-    commit_needs_attention = False  # quantizing needs only the keys and values
-
+class KiviLayer(ExactResidualLayer):
     def __init__(self, spec: LayerSpec, options: KiviOptions):
-        super().__init__(spec)
+        super().__init__(spec, options.residual)
         group = options.group
         if self.info.head_dim % group:
             raise NotImplementedError(
                 f"kivi groups values per token in groups of {group} channels; head size {self.info.head_dim} is "
                 "not a multiple of it (choose a group that divides the head size)"
             )
-        self.bits, self.group, self.residual = options.bits, group, options.residual
-        self.tail = ExactStore(exact_storage_dtype("auto", self.info.dtype))
+        self.bits, self.group = options.bits, group
         self.clear()
 
-    def clear(self) -> None:
-        self.tail.reset()
+    def clear_codes(self) -> None:
         self.key_codes: GroupCode | None = None  # scale [B, H, d, groups]: per channel, per token group
         self.value_codes: GroupCode | None = None  # scale [B, H, tokens, d // group]: per token
-        self.quantized = 0
 
-    def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+    def flush_multiple(self) -> int:
+        return self.group  # keys are quantized per channel over whole groups of tokens
+
+    def code_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         parts = []
         step = max(self.group, DEQUANT_BLOCK // self.group * self.group)
         for start in range(0, self.quantized, step):
@@ -91,7 +90,7 @@ class KiviLayer(CacheLayer):
             key, value = self._dequantize(start, stop)
             index = torch.arange(start, stop, device=key.device)
             parts.append(exact_partial(query, key, value, ctx.scaling, key_index=index, pad_len=ctx.pad_len))
-        return parts + partial_or_none(self.tail, query, ctx.scaling, ctx.pad_len)
+        return parts
 
     def _dequantize(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.group
@@ -100,13 +99,11 @@ class KiviLayer(CacheLayer):
         return keys, values
 
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
-        self.tail.append(fill_padding(key, ctx), fill_padding(value, ctx), ctx.new_index)
-        flush = (len(self.tail) - self.residual) // self.group * self.group
-        if flush > 0:
-            k, v = self.tail.pop_front(flush)
-            self.key_codes = _cat_codes(self.key_codes, quantize_groups(k.transpose(-1, -2), self.bits, self.group), -1)
-            self.value_codes = _cat_codes(self.value_codes, quantize_groups(v, self.bits, self.group), 2)
-            self.quantized += flush
+        super().commit(fill_padding(key, ctx), fill_padding(value, ctx), ctx)
+
+    def quantize(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.key_codes = _cat_codes(self.key_codes, quantize_groups(key.transpose(-1, -2), self.bits, self.group), -1)
+        self.value_codes = _cat_codes(self.value_codes, quantize_groups(value, self.bits, self.group), 2)
 
     def _code_tensors(self) -> list[torch.Tensor]:
         return [t for c in (self.key_codes, self.value_codes) if c is not None for t in c.tensors()]
@@ -118,6 +115,3 @@ class KiviLayer(CacheLayer):
         codes = [c.codes for c in (self.key_codes, self.value_codes) if c is not None]
         scales = [t for c in (self.key_codes, self.value_codes) if c is not None for t in (c.scale, c.zero)]
         return {"codes": held_bytes(codes), "scales": held_bytes(scales), "exact": self.tail.nbytes()}
-
-    def stats(self) -> dict[str, float]:
-        return {"quantized_tokens": float(self.quantized), "exact_tokens": float(len(self.tail))}

@@ -19,7 +19,9 @@ import torch
 
 from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.eviction import ScoredEvictionLayer, check_count_option, resolve_counts, select_per_row
+from kvshrink.cache.eviction import (
+    EvictionOptions, ScoredEvictionLayer, check_count_option, resolve_counts, select_per_row,
+)
 
 MAX_HISTORY = 62
 
@@ -31,19 +33,14 @@ def persistence_counts(history_bits: torch.Tensor, history: int) -> torch.Tensor
 
 
 @dataclass
-class ScissorhandsOptions:
-    budget: float = option(0.2, "most tokens kept per KV head: a count (>= 1) or a fraction (0 < f < 1) of the "
-                                "tokens seen so far", low=0, low_open=True)
-    recent: float = option(0.25, "most recent tokens never evicted: a count (>= 1) or a fraction (0 <= f < 1) "
-                                 "of the budget", low=0)
+class ScissorhandsOptions(EvictionOptions):
     history: int = option(32, "history window: the last queries whose attention counts (one bit per query)",
                           low=1, high=MAX_HISTORY)
     drop: float = option(0.1, "tokens evicted at once when the budget is exceeded: a count (>= 1) or a fraction "
                               "(0 < f < 1) of the budget", low=0, low_open=True)
 
     def __post_init__(self):
-        check_count_option(self.budget, "budget")
-        check_count_option(self.recent, "recent", allow_zero=True)
+        super().__post_init__()
         check_count_option(self.drop, "drop")
 
 

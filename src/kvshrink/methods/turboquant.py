@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
-from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import DEQUANT_BLOCK, ExactStore, exact_storage_dtype, held_bytes, partial_or_none
+from kvshrink.cache.residual_layer import ExactResidualLayer
+from kvshrink.cache.store import DEQUANT_BLOCK, held_bytes
 from kvshrink.codecs.lloyd_max import TURBO_BITS, TurboCode, TurboQuantizer
 
 
@@ -37,26 +38,20 @@ class TurboQuantOptions:
     "TurboQuant: norm + randomized Hadamard + Lloyd-Max codes (optional QJL) for every key and value",
     options=TurboQuantOptions,
 )
-class TurboQuantLayer(CacheLayer):
-    commit_needs_attention = False  # quantizing needs only the keys and values
-
+class TurboQuantLayer(ExactResidualLayer):
     def __init__(self, spec: LayerSpec, options: TurboQuantOptions):
-        super().__init__(spec)
+        super().__init__(spec, options.residual)
         d = self.info.head_dim
         # Each layer and each of K/V gets its own rotation (seeded, so it is rebuilt, not stored).
         self.key_q = TurboQuantizer(d, options.key_bits, qjl=options.qjl, seed=2 * self.layer_idx)
         self.value_q = TurboQuantizer(d, options.value_bits, qjl=False, seed=2 * self.layer_idx + 1)
-        self.residual = options.residual
-        self.tail = ExactStore(exact_storage_dtype("auto", self.info.dtype))
         self.clear()
 
-    def clear(self) -> None:
-        self.tail.reset()
+    def clear_codes(self) -> None:
         self.keys: TurboCode | None = None
         self.values: TurboCode | None = None
-        self.quantized = 0
 
-    def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+    def code_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         parts = []
         if self.quantized:
             rotated_q = self.key_q.rotation.rotate(query.float())
@@ -67,16 +62,11 @@ class TurboQuantLayer(CacheLayer):
                 index = torch.arange(start, stop, device=key.device)
                 part = exact_partial(rotated_q, key, value, ctx.scaling, key_index=index, pad_len=ctx.pad_len)
                 parts.append(Partial(self.value_q.rotation.unrotate(part.out), part.lse))
-        return parts + partial_or_none(self.tail, query, ctx.scaling, ctx.pad_len)
+        return parts
 
-    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
-        self.tail.append(key, value, ctx.new_index)
-        flush = len(self.tail) - self.residual
-        if flush > 0:
-            k, v = self.tail.pop_front(flush)
-            self.keys = TurboCode.cat(self.keys, self.key_q.encode(k))
-            self.values = TurboCode.cat(self.values, self.value_q.encode(v))
-            self.quantized += flush
+    def quantize(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.keys = TurboCode.cat(self.keys, self.key_q.encode(key))
+        self.values = TurboCode.cat(self.values, self.value_q.encode(value))
 
     def _codes(self) -> list[torch.Tensor]:
         return [t for c in (self.keys, self.values) if c is not None for t in c.tensors()]
@@ -94,6 +84,3 @@ class TurboQuantLayer(CacheLayer):
         codes = [t for c in (self.keys, self.values) if c is not None for t in (c.codes, c.qjl_signs) if t is not None]
         return {"codes": held_bytes(codes), "norms": held_bytes(norms), "exact": self.tail.nbytes(),
                 "quantizer": self.quantizer_bytes()}
-
-    def stats(self) -> dict[str, float]:
-        return {"quantized_tokens": float(self.quantized), "exact_tokens": float(len(self.tail))}
