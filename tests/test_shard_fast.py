@@ -135,3 +135,21 @@ def test_kernel_option_is_validated_and_a_missing_numba_names_the_extra(monkeypa
     monkeypatch.setattr(fused, "numba", None)
     with pytest.raises(ImportError, match=r"kernel='fast' needs numba.*kvshrink\[fast\]"):
         kvshrink.make_cache("shard", model, sinks=4, window=16, kernel="fast")
+
+
+def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):
+    """The slot plans the fast path builds on its first decode step are derived state: left out of the
+    file (they hold numpy arrays) and rebuilt on first use after loading."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, kernel="fast")
+    prefill(model, cache, ids)
+    with torch.no_grad():
+        model(torch.tensor([[5]]), past_key_values=cache)
+    cache.save(tmp_path / "fast.kvs")
+    loaded = kvshrink.load_cache(tmp_path / "fast.kvs", model)
+    with torch.no_grad():
+        want = model(torch.tensor([[6]]), past_key_values=cache).logits
+        got = model(torch.tensor([[6]]), past_key_values=loaded).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert loaded.nbytes() == cache.nbytes()

@@ -46,6 +46,10 @@ class MiddleBlock:
             return torch.arange(self.start, self.start + self.n, device=device)
         return rows.to(device) + self.start
 
+    def __getstate__(self) -> dict:
+        # the fast kernel's slot plan is derived (and holds numpy arrays): rebuilt on first use
+        return {k: v for k, v in self.__dict__.items() if k != "_slot_plan"}
+
     def parts(self) -> dict[str, list[torch.Tensor]]:
         k = {kind: [t for code in self.keys for t in code.parts()[kind]] for kind in ("codes", "scales", "bases")}
         return {"k_codes": k["codes"], "k_scales": k["scales"], "k_bases": k["bases"],
