@@ -2,6 +2,8 @@
 
     python scripts/entropy_survey.py FILE.kvs          # a file written by `kvshrink compress` / cache.save
     python scripts/entropy_survey.py --prefill 2048 OUT.kvs   # first prefill a default Shard cache and save it
+    python scripts/entropy_survey.py FILE.kvs --per-layer     # Shard's codes: zlib and entropy per layer
+    python scripts/entropy_survey.py FILE.kvs --layouts       # codes and exact tokens: byte layouts x codecs
 
 For each kind of tensor (labelled by where it sits in the cache: Shard's key codes, value codes, bases,
 salient and exact tokens...) it prints its bytes and the size zlib -9, lzma -6/-9 and bz2 -9 give on
@@ -104,15 +106,100 @@ def symbol_entropy(label: tuple, t: torch.Tensor, tensors: dict, meta: dict) -> 
     return None
 
 
-def survey(path: str) -> None:
+def tensor_names(structure) -> list[str]:
+    """Every tensor name under a saved structure."""
+    if isinstance(structure, dict):
+        if "tensor" in structure:
+            return [structure["tensor"]]
+        return [n for v in structure.values() for n in tensor_names(v)]
+    if isinstance(structure, list):
+        return [n for v in structure for n in tensor_names(v)]
+    return []
+
+
+def layer_of_tensors(meta: dict) -> dict[str, int]:
+    """Tensor name -> index of the cache layer holding it."""
+    for key, value in meta["structure"]["dict"]:
+        if key == "layers":
+            return {n: i for i, layer in enumerate(value["list"]) for n in tensor_names(layer)}
+    return {}
+
+
+def read_file(path: str) -> tuple[dict, dict, dict]:
+    """``(metadata, tensors, labels)`` of a cache file saved without entropy coding."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     with safe_open(path, framework="pt") as fh:
         meta = json.loads(fh.metadata()["kvshrink"])
-    tensors = load_file(path)
+    if meta.get("encodings"):
+        sys.exit(f"{path} is entropy coded: survey a file saved with entropy=False (kvshrink compress --no-entropy)")
     labels: dict = {}
     labelled_tensors(meta["structure"], labels)
+    return meta, load_file(path), labels
+
+
+def per_layer(path: str) -> None:
+    """Key and value codes per layer: zlib -9 and the per-component symbol entropy, as fractions of their bytes."""
+    meta, tensors, labels = read_file(path)
+    layer_of = layer_of_tensors(meta)
+    acc: dict = defaultdict(lambda: [0, 0, 0.0])
+    for name, t in tensors.items():
+        label = labels.get(name, ("", "", None))
+        bits = symbol_entropy(label, t, tensors, meta)
+        if bits is None:
+            continue
+        a = acc[(layer_of[name], label[1])]
+        a[0] += t.numel()
+        a[1] += len(zlib.compress(t.numpy().tobytes(), 9))
+        a[2] += bits / 8
+    for (layer, field), (raw, z, h) in sorted(acc.items()):
+        print(f"layer {layer:2d} {field:8s} bytes {raw:10,d} zlib9 {z / raw:.3f} H(symbols) {h / raw:.3f}")
+
+
+def _lzma_raw(data: bytes, lc: int = 3) -> int:
+    return len(lzma.compress(data, format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2, "preset": 6, "lc": lc}]))
+
+
+def layouts(path: str) -> None:
+    """Sizes, as fractions of the bytes, of Shard's key codes, value codes and fp16 exact tokens under
+    byte layouts (row-major as stored, column-major, unpacked symbols, byte planes) and codecs."""
+    meta, tensors, labels = read_file(path)
+    res: dict = defaultdict(lambda: defaultdict(int))
+    for name, t in tensors.items():
+        cls, field, fields = labels.get(name, ("?", "?", None))
+        if cls == "PCACode" and field == "codes":
+            kind, rows = "key codes", t.numpy().reshape(-1, t.shape[-1])
+            sym = np.concatenate([unpack_rows(np.ascontiguousarray(rows[:, a2:b2]), bits, b - a)
+                                  for bits, a, b, a2, b2 in plain(fields["runs"])], axis=1).astype(np.uint8)
+        elif cls == "MiddleBlock" and field == "v_codes":
+            kind, rows = "value codes", t.numpy().reshape(-1, t.shape[-1])
+            sym = None
+        elif t.dtype == torch.float16 and cls in ("ExactStore", "SalientTokens"):
+            kind, rows = "fp16 tokens", t.numpy().reshape(-1, t.shape[-1]).view(np.uint8)
+            sym = None
+        else:
+            continue
+        r = res[kind]
+        layouts = {"as stored": rows.tobytes(), "column-major": np.ascontiguousarray(rows.T).tobytes()}
+        if sym is not None:
+            layouts["symbols, column-major"] = np.ascontiguousarray(sym.T).tobytes()
+        if kind == "fp16 tokens":
+            layouts["byte planes"] = np.concatenate([rows[:, 0::2].ravel(), rows[:, 1::2].ravel()]).tobytes()
+            layouts["byte planes, column-major"] = np.concatenate([rows[:, 0::2].T.ravel(), rows[:, 1::2].T.ravel()]).tobytes()
+        r["bytes"] += rows.nbytes
+        for layout, data in layouts.items():
+            r[f"zlib9 {layout}"] += len(zlib.compress(data, 9))
+            r[f"lzma6 {layout}"] += _lzma_raw(data)
+    for kind, r in res.items():
+        print(kind, f"{r['bytes']:,} bytes")
+        for k, v in r.items():
+            if k != "bytes":
+                print(f"  {k:36s} {v:12,d} {v / r['bytes']:.4f}")
+
+
+def survey(path: str) -> None:
+    meta, tensors, labels = read_file(path)
     kinds = defaultdict(lambda: defaultdict(float))
     for name, t in tensors.items():
         cls, field, _ = labels.get(name, ("?", "?", None))
@@ -152,7 +239,7 @@ def prefill_and_save(tokens: int, out: str) -> None:
     cache = kvshrink.make_cache("shard", model)
     with torch.no_grad():
         model(input_ids=torch.tensor([prefix[:tokens]]), past_key_values=cache)
-    cache.save(out)
+    cache.save(out, entropy=False)
     print(f"saved {cache.summary()} to {out}", file=sys.stderr)
 
 
@@ -160,11 +247,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path")
     parser.add_argument("--prefill", type=int, default=0, help="first prefill this many document tokens and save")
+    parser.add_argument("--per-layer", action="store_true", help="Shard's codes per layer instead")
+    parser.add_argument("--layouts", action="store_true", help="byte layouts x codecs instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.prefill:
         prefill_and_save(args.prefill, args.path)
-    survey(args.path)
+    if args.per_layer:
+        per_layer(args.path)
+    elif args.layouts:
+        layouts(args.path)
+    else:
+        survey(args.path)
 
 
 if __name__ == "__main__":
