@@ -35,9 +35,9 @@ class FileCodecError(ValueError):
     """A stored tensor whose coded bytes do not decode to what its encoding says."""
 
 
-def _decompress(data: bytes, size: int) -> bytes:
-    """At most ``size + 1`` decoded bytes (a bad file cannot make it allocate more); raises if the coded
-    stream does not end where the stored bytes do."""
+def _decompress(data, size: int) -> bytes:
+    """At most ``size + 1`` bytes decoded from ``data`` (bytes-like): a bad file cannot make it allocate
+    more; raises if the coded stream does not end where the stored bytes do."""
     d = zlib.decompressobj()
     out = d.decompress(data, size + 1)
     if not (d.eof and not d.unused_data) and len(out) <= size:
