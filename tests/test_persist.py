@@ -147,10 +147,27 @@ def test_loaded_cache_and_fork_refuse_a_prompt_that_does_not_begin_with_the_save
 def test_file_size_is_close_to_nbytes(model, tokens, tmp_path, method, options):
     cache = prefilled(model, method, options, torch.cat([tokens[0]] * 4, dim=1))
     path = tmp_path / "doc.kvs"
-    cache.save(path)
+    cache.save(path, entropy=False)
     size = path.stat().st_size
     # the JSON structure is a few KiB whatever the length; at this tiny size allow it on top of 3%
     assert cache.nbytes() * 0.97 <= size <= cache.nbytes() * 1.03 + 64 * 1024, (size, cache.nbytes())
+
+
+@pytest.mark.parametrize("method,options", METHODS, ids=[m for m, _ in METHODS])
+def test_entropy_coded_file_is_smaller_and_loads_the_same_tensors(model, tokens, tmp_path, method, options):
+    cache = prefilled(model, method, options, tokens[0])
+    cache.save(tmp_path / "plain.kvs", entropy=False)
+    cache.save(tmp_path / "coded.kvs")
+    encodings = kvshrink.cache.persist.read_metadata(tmp_path / "coded.kvs")["encodings"]
+    sizes = [(tmp_path / name).stat().st_size for name in ("coded.kvs", "plain.kvs")]
+    assert sizes[0] < sizes[1] if encodings else sizes[0] == sizes[1]  # a tensor is coded only if that pays
+    assert encodings or method == "kivi"  # kivi's few tiny tensors here: none pays
+    want = state_bytes(cache)
+    for name in ("plain.kvs", "coded.kvs"):
+        got = state_bytes(load_cache(tmp_path / name, model))
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), (name, key)
 
 
 def test_hf_quantized_fork_and_save_are_refused_naming_it(model, tokens, tmp_path):
@@ -230,6 +247,67 @@ def test_flipped_tensor_byte_is_refused(saved):
     saved.write_bytes(bytes(data))
     with pytest.raises(CacheFileError, match="checksum mismatch"):
         load_cache(saved, tiny_model())
+
+
+def _coded_tensor(path) -> str:
+    """The name of the largest entropy-coded tensor in a cache file."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    return max(kvshrink.cache.persist.read_metadata(path)["encodings"], key=lambda name: tensors[name].numel())
+
+
+def test_corrupted_coded_payload_is_refused_by_the_checksum(saved):
+    from safetensors.torch import load_file, safe_open, save_file
+
+    name = _coded_tensor(saved)
+    tensors = load_file(str(saved))
+    with safe_open(str(saved), framework="pt") as fh:
+        metadata = fh.metadata()
+    tensors[name][len(tensors[name]) // 2] ^= 0x21
+    save_file(tensors, str(saved), metadata=metadata)
+    with pytest.raises(CacheFileError, match="checksum mismatch"):
+        load_cache(saved, tiny_model())
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "shape"])
+def test_coded_payload_that_does_not_decode_to_its_entry_is_refused_even_with_a_valid_checksum(saved, damage):
+    """A file re-signed after its coded bytes or their entry changed: decoding itself refuses it."""
+    from kvshrink.cache.persist import _checksum
+
+    name = _coded_tensor(saved)
+
+    def change(meta):
+        if damage == "shape":
+            meta["encodings"][name]["shape"][-1] += 1
+
+    tensors, metadata, save_file = _rewrite_metadata(saved, change)
+    if damage == "flip":
+        tensors[name][len(tensors[name]) // 2] ^= 0x21
+    elif damage == "truncate":
+        tensors[name] = tensors[name][:-4].clone()
+    metadata["sha256"] = _checksum(metadata["kvshrink"], tensors)
+    save_file(tensors, str(saved), metadata=metadata)
+    with pytest.raises(CacheFileError, match=f"is corrupted: tensor '{name}'"):
+        load_cache(saved, tiny_model())
+
+
+def test_a_version_1_file_without_coding_still_loads(model, tokens, saved, tmp_path):
+    from kvshrink.cache.persist import _checksum
+
+    prefilled(model, "shard", METHODS[1][1], tokens[0]).save(saved, entropy=False)
+
+    def as_version_1(meta):
+        assert meta.pop("encodings") == {}
+        meta["format_version"] = 1
+
+    tensors, metadata, save_file = _rewrite_metadata(saved, as_version_1)
+    metadata["sha256"] = _checksum(metadata["kvshrink"], tensors)
+    save_file(tensors, str(saved), metadata=metadata)
+    loaded = load_cache(saved, model)
+    prefix, question, _ = tokens
+    assert torch.equal(answer(model, loaded, prefix, question)[0],
+                       answer(model, prefilled(model, "shard", METHODS[1][1], prefix), prefix, question)[0])
 
 
 def test_a_class_outside_kvshrink_is_never_instantiated(saved):

@@ -40,6 +40,17 @@ def test_compress_prints_bytes_and_ratio(files, capsys):
     assert f"{size:,} bytes on disk" in out and "ratio" in out
 
 
+def test_compress_codes_the_file_unless_told_not_to(files, capsys):
+    from kvshrink.cache.persist import read_metadata
+
+    main(["compress", "--method", "shard", "--option", SHARD, "--prompt-file", str(files / "doc.txt"),
+          "--out", str(files / "plain.kvs"), "--no-entropy"])
+    assert "saved as in memory" in capsys.readouterr().out
+    assert read_metadata(files / "plain.kvs")["encodings"] == {}
+    assert read_metadata(files / "doc.kvs")["encodings"]
+    assert (files / "doc.kvs").stat().st_size < 0.97 * (files / "plain.kvs").stat().st_size
+
+
 def test_ask_answers_from_forks_equal_fresh_prefills(files, capsys, real_model):
     """Each answer of `ask` (a fork of the loaded file) is the answer of a fresh Shard prefill of the
     document followed by the question, the chat template applied once around both."""

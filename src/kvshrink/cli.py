@@ -169,11 +169,14 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     prefill(model, cache, torch.tensor([prefix], device=model.device), args.chunk, progress=True)
     seconds = time.perf_counter() - start
-    save_cache(cache, args.out, extra={"question_template": template})
+    start = time.perf_counter()
+    save_cache(cache, args.out, extra={"question_template": template}, entropy=args.entropy)
+    save_seconds = time.perf_counter() - start
     size = Path(args.out).stat().st_size
     print(f"{args.out}: {len(prefix)} tokens, {size:,} bytes on disk ({size / 2**20:.2f} MiB), "
           f"fp16 KV {cache.fp16_nbytes():,} bytes, ratio {cache.fp16_nbytes() / size:.2f}x "
-          f"(in memory {cache.compression_ratio():.2f}x); prefill {seconds:.1f} s")
+          f"(in memory {cache.compression_ratio():.2f}x); prefill {seconds:.1f} s, saved "
+          f"{'entropy coded' if args.entropy else 'as in memory'} in {save_seconds:.1f} s")
     return 0
 
 
@@ -282,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", required=True, help="the document (text)")
     p.add_argument("--out", required=True, help="the cache file to write (e.g. doc.kvs)")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (Shard prefills much faster in one call)")
+    p.add_argument("--no-entropy", dest="entropy", action="store_false",
+                   help="store the tensors as held in memory, not losslessly coded (larger file, faster save and load)")
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
     add_device_arguments(p)
     p.set_defaults(func=_cmd_compress)

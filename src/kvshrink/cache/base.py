@@ -313,11 +313,12 @@ class CacheAccounting:
         """An independent copy of this cache: a new prompt extending its tokens leaves this one unchanged."""
         return copy.deepcopy(self)
 
-    def save(self, path) -> None:
-        """Write this cache to one file (see ``kvshrink.load_cache``)."""
+    def save(self, path, entropy: bool = True) -> None:
+        """Write this cache to one file (see ``kvshrink.load_cache``); ``entropy=False`` stores the tensors
+        as held in memory instead of losslessly coded (larger, faster to write and read)."""
         from kvshrink.cache.persist import save_cache
 
-        save_cache(self, path)
+        save_cache(self, path, entropy=entropy)
 
     def summary(self) -> str:
         return (f"{self.method}: {self.get_seq_length()} tokens, {self.nbytes() / 2**20:.2f} MiB held, "

@@ -10,6 +10,11 @@ The structure is written by a generic walk, not per method: a layer is its ``__g
 ``CacheLayer``), recursively; tensors, dtypes, lists, tuples, dicts, plain values and objects of
 kvshrink classes are stored, anything else is refused naming where it sits. Loading only ever
 instantiates kvshrink classes (``cls.__new__`` + ``__setstate__``): no pickle, no code from the file.
+
+By default each tensor is stored entropy coded when that makes it smaller (`cache.file_codec`: the
+metadata's ``encodings`` names the codec, dtype and shape of each such tensor); the checksum covers
+the stored bytes, so a corrupted file is refused before anything is decoded, and each decoded tensor
+must have exactly the size its entry names. Version 1 files (no coding) are still read.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from typing import Any
 import torch
 
 from kvshrink.cache.base import CacheAccounting, KVShrinkCache, ModelInfo
+from kvshrink.cache.file_codec import FileCodecError, decode_tensor, encode_tensor, tensor_bytes
 
 FORMAT = "kvshrink-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tensors may be entropy coded (``encodings``)
+READABLE_VERSIONS = (1, 2)
 _META_KEY = "kvshrink"
 _CHECK_KEY = "sha256"
 # Config entries that do not change what the model computes (paths, versions, generation defaults).
@@ -60,15 +67,12 @@ def token_ids_hash(ids: torch.Tensor | None) -> str | None:
     return hashlib.sha256(ids.detach().to(torch.int64).cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
 def _checksum(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the metadata and of every stored tensor's bytes (coded ones as stored)."""
     h = hashlib.sha256(meta_json.encode())
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(_tensor_bytes(tensors[name]))
+        h.update(tensor_bytes(tensors[name]))
     return h.hexdigest()
 
 
@@ -199,11 +203,13 @@ def _version() -> str:
 
 
 def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.Module | None = None,
-               extra: dict[str, Any] | None = None) -> None:
+               extra: dict[str, Any] | None = None, entropy: bool = True) -> None:
     """Write ``cache`` to ``path`` atomically (a temporary file in the same folder, then renamed).
 
     ``model`` (optional) records the model's fingerprint; without it the fingerprint recorded when the
     cache was made is used. ``extra`` is stored as is (JSON) in the metadata (e.g. the CLI's prompt format).
+    ``entropy`` stores each tensor losslessly coded when that makes it smaller (`cache.file_codec`); with
+    ``entropy=False`` the file holds the tensors as in memory (faster to write and read, larger).
     """
     if not isinstance(cache, KVShrinkCache):
         raise NotImplementedError(f"kvshrink: saving a '{getattr(cache, 'method', type(cache).__name__)}' cache "
@@ -212,6 +218,7 @@ def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.
         raise RuntimeError("kvshrink: cannot save a cache in the middle of a forward step")
     encoder = _Encoder()
     structure = encoder.encode(cache.__getstate__(), "cache")
+    stored, encodings = _encoded(encoder.tensors) if entropy else (encoder.tensors, {})
     fingerprint = model_fingerprint(model) if model is not None else getattr(cache, "model_fingerprint", None)
     if fingerprint is None:
         raise ValueError("kvshrink: this cache does not know its model; pass model= to save_cache")
@@ -221,10 +228,20 @@ def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.
         "model": fingerprint, "dtype": str(cache.info.dtype).removeprefix("torch."),
         "tokens": cache.get_seq_length(), "prefix_ids_sha256": token_ids_hash(cache.token_ids),
         "nbytes": cache.nbytes(), "tensor_devices": encoder.devices, "structure": structure,
-        "extra": extra or {},
+        "encodings": encodings, "extra": extra or {},
     }
     meta_json = json.dumps(meta, sort_keys=True)
-    _write_atomic(Path(path), encoder.tensors, {_META_KEY: meta_json, _CHECK_KEY: _checksum(meta_json, encoder.tensors)})
+    _write_atomic(Path(path), stored, {_META_KEY: meta_json, _CHECK_KEY: _checksum(meta_json, stored)})
+
+
+def _encoded(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """``(tensors as stored, encoding of each coded one)``: see `cache.file_codec`."""
+    stored, encodings = {}, {}
+    for name, t in tensors.items():
+        stored[name], encoding = encode_tensor(t)
+        if encoding is not None:
+            encodings[name] = encoding
+    return stored, encodings
 
 
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -269,11 +286,25 @@ def _read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tens
     meta = json.loads(metadata[_META_KEY])
     if meta.get("format") != FORMAT:
         raise CacheFileError(f"kvshrink: {path} is not a kvshrink cache file")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise CacheFileError(
             f"kvshrink: {path} has cache format version {meta.get('format_version')} (written by kvshrink "
-            f"{meta.get('kvshrink_version')}); this kvshrink ({_version()}) reads version {FORMAT_VERSION}")
+            f"{meta.get('kvshrink_version')}); this kvshrink ({_version()}) reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}")
     return meta, tensors
+
+
+def _decoded(meta: dict[str, Any], stored: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
+    """The tensors of a checked file, coded ones decoded (each to exactly the size its entry names)."""
+    tensors = dict(stored)
+    for name, encoding in meta.get("encodings", {}).items():
+        if name not in stored:
+            raise CacheFileError(f"kvshrink: {path} lists an encoding for tensor {name!r}, which it lacks")
+        try:
+            tensors[name] = decode_tensor(stored[name], encoding)
+        except FileCodecError as err:
+            raise CacheFileError(f"kvshrink: {path} is corrupted: tensor {name!r} {err}; refusing to load it") from None
+    return tensors
 
 
 def check_model(meta: dict[str, Any], model: torch.nn.Module, path: str | os.PathLike) -> None:
@@ -295,8 +326,9 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module) -> KVShrinkCache
     """
     from kvshrink.cache.registry import make_cache
 
-    meta, tensors = _read(path)
+    meta, stored = _read(path)
     check_model(meta, model, path)
+    tensors = _decoded(meta, stored, path)
     cache = make_cache(meta["method"], model, multi_turn=meta["multi_turn"], **meta["options"])
     device = next(model.parameters()).device
     state = _Decoder(tensors, meta["tensor_devices"], cache.info, device).decode(meta["structure"])
