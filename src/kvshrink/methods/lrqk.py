@@ -38,7 +38,19 @@ from kvshrink.codecs.lowrank import (
     key_factors,
     line_search_basis_step,
 )
+from kvshrink.methods.lrqk_prefill import chunked_prefill
+from kvshrink.methods.lrqk_report import (
+    layer_stats,
+    new_counters,
+    record_fill,
+    record_mass_recall,
+    record_prefetch,
+    step_report,
+)
 from kvshrink.methods.lrqk_tiers import POLICIES, SLOW_TIERS, SlotTier, SlowTier, make_slow_tier, state_tensors
+
+# chunked_prefill and step_report live in their own modules; importable from here as before.
+__all__ = ["LRQKLayer", "LRQKOptions", "chunked_prefill", "step_report"]
 
 FACTOR_HEADS = ("kv", "query")
 # Growth step of the key-factor buffer (tokens): the unused tail is held, so it is counted.
@@ -151,9 +163,7 @@ class LRQKLayer(CacheLayer):
         self._query: torch.Tensor | None = None
         self._k_hat: torch.Tensor | None = None
         self._prefetched = None
-        self.counters = {"decode_steps": 0, "selected_rows": 0, "missed_rows": 0, "bytes_moved": 0,
-                         "prefetch_rows": 0, "prefetch_hits": 0, "prefetch_bytes": 0,
-                         "recall_sum": 0.0, "oracle_sum": 0.0, "recall_count": 0}
+        self.counters = new_counters()
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
     def __getstate__(self) -> dict:
@@ -288,7 +298,7 @@ class LRQKLayer(CacheLayer):
         selected, mass, all_mass = self._select(ctx, candidates)
         prefetched = self._take_prefetch()
         report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
-        self._record(report)
+        record_fill(self.counters, self.step_log, report)
         if self.prefetch_on:
             self._start_prefetch(all_mass, selected)
         if self.measure_recall:
@@ -297,24 +307,8 @@ class LRQKLayer(CacheLayer):
 
     def _measure_recall(self, query: torch.Tensor, ctx: StepContext, candidates: int,
                         selected: torch.Tensor) -> None:
-        """Exact attention mass (over the top-k candidates only) that the selection covers, per query
-        head, averaged: how well the proxy scores find the true top-k."""
-        b, hq, _, d = query.shape
-        hkv = self.info.num_kv_heads
         keys, _ = self.slow.read_range(0, candidates)                # [B·H_kv, n, d]
-        q = query.reshape(b * hkv, hq // hkv, d).float()
-        logits = (q @ keys.to(q.device).float().transpose(-1, -2)) * ctx.scaling   # [B·H_kv, G, n]
-        if ctx.pad_len is not None:
-            pad = torch.arange(candidates, device=q.device)[None, :] < ctx.pad_len.to(q.device)[:, None]
-            logits = logits.masked_fill(pad.repeat_interleave(hkv, 0)[:, None, :], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        covered = torch.gather(probs, 2, selected.to(q.device)[:, None, :].expand(-1, hq // hkv, -1)).sum(-1)
-        # The best any per-KV-head selection of the same size can do: the true top-k of the group's mass.
-        best = torch.topk(probs.sum(1), selected.shape[1], dim=-1).indices
-        oracle = torch.gather(probs, 2, best[:, None, :].expand(-1, hq // hkv, -1)).sum(-1)
-        self.counters["recall_sum"] += float(covered.sum())
-        self.counters["oracle_sum"] += float(oracle.sum())
-        self.counters["recall_count"] += covered.numel()
+        record_mass_recall(self.counters, query, keys, ctx.scaling, ctx.pad_len, selected)
 
     def _slot_partial(self, query: torch.Tensor, ctx: StepContext, selected: torch.Tensor) -> Partial:
         """Exact attention over the slots holding the selection; each KV head folded into the batch
@@ -350,8 +344,7 @@ class LRQKLayer(CacheLayer):
         tokens, future = self._prefetched
         self._prefetched = None
         rows = future.result()
-        self.counters["prefetch_rows"] += tokens.numel()
-        self.counters["prefetch_bytes"] += rows.numel() * rows.element_size()
+        record_prefetch(self.counters, tokens, rows)
         return tokens, rows
 
     def _drain_prefetch(self) -> None:
@@ -360,15 +353,6 @@ class LRQKLayer(CacheLayer):
         self._prefetched = None
         if pending is not None:
             pending[1].exception()
-
-    def _record(self, report) -> None:
-        c = self.counters
-        c["decode_steps"] += 1
-        c["selected_rows"] += report.selected
-        c["missed_rows"] += report.missed
-        c["bytes_moved"] += report.bytes_moved
-        c["prefetch_hits"] += report.prefetch_hits
-        self.step_log.append((report.selected, report.missed, report.bytes_moved))
 
     # ---- storing -------------------------------------------------------------------------------------
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
@@ -461,22 +445,7 @@ class LRQKLayer(CacheLayer):
         return self.slow.nbytes() if self.slow is not None else 0
 
     def stats(self) -> dict[str, float]:
-        c = self.counters
-        out = {k: float(v) for k, v in c.items()}
-        out["miss_rate"] = c["missed_rows"] / c["selected_rows"] if c["selected_rows"] else 0.0
-        steps = max(1, c["decode_steps"])
-        # Per decode step of this layer; KVShrinkCache.stats() sums layers, giving per-token figures.
-        out["rows_moved_per_token"] = c["missed_rows"] / steps
-        out["bytes_moved_per_token"] = (c["bytes_moved"] + c["prefetch_bytes"]) / steps
-        warm = self.step_log[1:]
-        sel = sum(s for s, _, _ in warm)
-        out["warm_miss_rate"] = sum(m for _, m, _ in warm) / sel if sel else 0.0
-        if c["recall_count"]:
-            out["topk_mass_recall_rate"] = c["recall_sum"] / c["recall_count"]
-            out["topk_mass_oracle_rate"] = c["oracle_sum"] / c["recall_count"]
-        out["fast_tier_bytes"] = float(self.nbytes())
-        out["slow_tier_bytes"] = float(self.slow_tier_bytes())
-        return out
+        return layer_stats(self.counters, self.step_log, self.nbytes(), self.slow_tier_bytes())
 
 
 def _check_writable(folder: str) -> None:
@@ -486,43 +455,3 @@ def _check_writable(folder: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe or ".") or not os.access(probe or ".", os.W_OK | os.X_OK):
         raise ValueError(f"lrqk: disk_folder {folder!r} is not a writable folder")
-
-
-def step_report(cache) -> list[dict[str, float]]:
-    """Per decode step, over all layers of an lrqk cache: miss rate, rows and bytes moved."""
-    logs = [layer.step_log for layer in cache.layers]
-    steps = min((len(log) for log in logs), default=0)
-    out = []
-    for i in range(steps):
-        sel = sum(log[i][0] for log in logs)
-        miss = sum(log[i][1] for log in logs)
-        out.append({"step": i, "miss_rate": miss / sel if sel else 0.0, "rows_moved": miss,
-                    "bytes_moved": sum(log[i][2] for log in logs)})
-    return out
-
-
-def close_cache(cache) -> None:
-    """Release every layer's tiers (removes disk-tier folders)."""
-    for layer in cache.layers:
-        if hasattr(layer, "close"):
-            layer.close()
-
-
-def chunked_prefill(model: torch.nn.Module, input_ids: torch.Tensor, cache, chunk: int,
-                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the prompt through ``model`` ``chunk`` tokens at a time with ``cache``; returns the last
-    logits ``[B, vocab]``. Continue with ``model.generate(full_ids, past_key_values=cache, ...)``."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    total = input_ids.shape[1]
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    logits = None
-    with torch.no_grad():
-        for start in range(0, total, chunk):
-            stop = min(total, start + chunk)
-            out = model(input_ids=input_ids[:, start:stop], attention_mask=attention_mask[:, :stop],
-                        position_ids=positions[:, start:stop], past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1]
-    return logits
