@@ -30,9 +30,11 @@ from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
+from kvshrink.codecs import lowrank_fused
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
+    factor_vectors_from_sums,
     fit_lowrank_qk,
     gram,
     key_factors,
@@ -53,6 +55,7 @@ from kvshrink.methods.lrqk_tiers import POLICIES, SLOW_TIERS, SlotTier, SlowTier
 __all__ = ["LRQKLayer", "LRQKOptions", "chunked_prefill", "step_report"]
 
 FACTOR_HEADS = ("kv", "query")
+KERNELS = ("fast", "reference")
 # Growth step of the key-factor buffer (tokens): the unused tail is held, so it is counted.
 _FACTOR_BLOCK = 256
 # Index given to slots that are resident but not selected: later than any query, so masked.
@@ -91,6 +94,9 @@ class LRQKOptions:
     seed: int = option(0, "seed of the random initialisation of the factorization")
     measure_recall: bool = option(False, "diagnostic: record the exact attention mass the top-k captures "
                                   "(reads every key from the slow tier each step; slow)")
+    kernel: str = option("fast", "decode path: fast (one attention over slots and window; the per-token factor "
+                         "update in one numba call when kvshrink[fast] is installed) or reference (plain torch "
+                         "ops, the oracle of the tests); the same answers up to float rounding", choices=KERNELS)
 
     def __post_init__(self):
         if self.slow_tier == "disk" and self.disk_folder is None:
@@ -128,6 +134,9 @@ class LRQKLayer(CacheLayer):
         self.exact_selection = o.selection == "exact"
         self.seed = o.seed + 1000 * self.layer_idx
         self.measure_recall = o.measure_recall
+        self.fast = o.kernel == "fast"
+        if self.fast:
+            lowrank_fused.warm_up()  # compile or load the kernel now, not in the first timed decode step
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 
@@ -221,6 +230,10 @@ class LRQKLayer(CacheLayer):
         candidates = past - win
         parts = []
         self._update_factor_vectors(query)
+        if self.fast:
+            if candidates > 0:
+                self._select_and_fill(query, ctx, candidates)
+            return [self._resident_partial(query, ctx, slots=candidates > 0)]
         if candidates > 0:
             parts.append(self._topk_partial(query, ctx, candidates))
         if win:
@@ -231,6 +244,8 @@ class LRQKLayer(CacheLayer):
 
     def _update_factor_vectors(self, query: torch.Tensor) -> None:
         """q̂/k̂ of the new token against the resident tokens, then the bases' line-search step."""
+        if self.fast:
+            return self._update_factor_vectors_fast(query)
         b = query.shape[0]
         f = self.a_k.shape[1]
         key = self._pending[0]                                        # [B, H_kv, 1, d]
@@ -244,6 +259,46 @@ class LRQKLayer(CacheLayer):
             self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
         self._q_hat = q_hat.reshape(b, f, -1, self.rank)             # [B, F, G/c, r]
         self._k_hat = k_hat.reshape(b, f, self.rank)
+
+    def _update_factor_vectors_fast(self, query: torch.Tensor) -> None:
+        """``_update_factor_vectors`` from the resident tokens' sums (two batched products per part, no
+        concatenation), the r x r updates in one numba call where it can run."""
+        b, _, _, d = query.shape
+        f = self.a_k.shape[1]
+        q = self._factor_queries(query).reshape(b * f, -1, d).float()
+        k = self._factor_keys(self._pending[0]).reshape(b * f, d).float()
+        lhs, rhs = self._resident_sums(q, b, f) if self.fit_resident else (None, None)
+        if lowrank_fused.available() and self.b_q.device.type == "cpu":
+            if lhs is None:
+                lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
+            q_hat, k_hat = lowrank_fused.decode_step(q, k, self.b_q, self.b_k, lhs, rhs, self.lam,
+                                                     self.update_bases)
+        else:
+            q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam)
+            if self.update_bases:
+                self.b_q = line_search_basis_step(self.b_q, q_hat, q)
+                self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
+        self._q_hat = q_hat.reshape(b, f, -1, self.rank)
+        self._k_hat = k_hat.reshape(b, f, self.rank)
+
+    def _resident_sums(self, q: torch.Tensor, b: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``AᵀA`` ``[B·F, r, r]`` and ``(q·Kᵀ)A`` ``[B·F, G/c, r]`` over the tokens of Ω (last step's
+        selection in the slots, and the window), float32: what ``decode_factor_vectors`` sums."""
+        slots, r = self.slots, self.rank
+        tok = self._factor_keys(slots.token.reshape(b, -1, slots.capacity, 1)).reshape(b * f, -1)
+        chosen = self._factor_keys(slots.chosen.reshape(b, -1, slots.capacity, 1)).reshape(b * f, -1, 1)
+        flat = tok.clamp_min(0) + self.a_k.shape[2] * torch.arange(b * f, device=tok.device)[:, None]
+        a = self.a_k.view(-1, r).index_select(0, flat.reshape(-1)).reshape(b * f, -1, r).float() * chosen
+        keys = self._factor_keys(slots.keys.reshape(b, -1, slots.capacity, slots.keys.shape[-1]))
+        lhs = a.transpose(-1, -2) @ a
+        rhs = (q @ keys.reshape(b * f, slots.capacity, -1).float().transpose(-1, -2)) @ a
+        n_win = self.win_k.shape[2] if self.win_k is not None else 0
+        if n_win:
+            a = self.a_k[:, :, self.a_len - n_win: self.a_len].reshape(b * f, n_win, r).float()
+            keys = self._factor_keys(self.win_k).reshape(b * f, n_win, -1).float()
+            lhs = lhs + a.transpose(-1, -2) @ a
+            rhs = rhs + (q @ keys.transpose(-1, -2)) @ a
+        return lhs, rhs
 
     def _resident_rows(self, b: int, f: int):
         """A_K rows, keys and weights of the tokens in fast memory (slots + window), per factor head."""
@@ -295,6 +350,11 @@ class LRQKLayer(CacheLayer):
         return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k), mass.reshape(b * hkv, candidates)
 
     def _topk_partial(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> Partial:
+        selected = self._select_and_fill(query, ctx, candidates)
+        return self._slot_partial(query, ctx, selected)
+
+    def _select_and_fill(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> torch.Tensor:
+        """Select this step's top-k and make it resident in the slots; returns the selection."""
         selected, mass, all_mass = self._select(ctx, candidates)
         prefetched = self._take_prefetch()
         report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
@@ -303,7 +363,7 @@ class LRQKLayer(CacheLayer):
             self._start_prefetch(all_mass, selected)
         if self.measure_recall:
             self._measure_recall(query, ctx, candidates, selected)
-        return self._slot_partial(query, ctx, selected)
+        return selected
 
     def _measure_recall(self, query: torch.Tensor, ctx: StepContext, candidates: int,
                         selected: torch.Tensor) -> None:
@@ -320,6 +380,27 @@ class LRQKLayer(CacheLayer):
         pad = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
         part = exact_partial(folded_q, slots.keys.unsqueeze(1), slots.values.unsqueeze(1), ctx.scaling,
                              key_index=key_index, query_index=ctx.new_index.to(slots.keys.device),
+                             pad_len=pad)
+        return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
+
+    def _resident_partial(self, query: torch.Tensor, ctx: StepContext, slots: bool) -> Partial:
+        """Exact attention over this step's selection in the slots (``slots``) and the window, in one
+        call: each KV head folded into the batch, the window's rows beside its slots."""
+        b, hq, q, d = query.shape
+        hkv = self.info.num_kv_heads
+        rows, device = b * hkv, self.slots.keys.device
+        keys, values, index = [], [], []
+        if slots:
+            keys, values, index = [self.slots.keys], [self.slots.values], [self.slots.selected_index(_NEVER)]
+        if self.win_k is not None:
+            n_win, past = self.win_k.shape[2], ctx.past_len
+            keys.append(self.win_k.reshape(rows, n_win, d))
+            values.append(self.win_v.reshape(rows, n_win, d))
+            index.append(torch.arange(past - n_win, past, device=device).expand(rows, n_win))
+        folded_q = query.reshape(rows, hq // hkv, q, d).to(device)
+        pad = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
+        part = exact_partial(folded_q, torch.cat(keys, 1).unsqueeze(1), torch.cat(values, 1).unsqueeze(1),
+                             ctx.scaling, key_index=torch.cat(index, 1), query_index=ctx.new_index.to(device),
                              pad_len=pad)
         return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
 

@@ -309,49 +309,59 @@ class SlotTier:
         # Membership through dense per-row maps over the token ids (every id < slow.length): a
         # scatter and a gather instead of sorting, which dominated this step's cost.
         span = slow.length
-        in_use = self.token >= 0
-        resident = _dense_mask(self.token, span)
+        column = _map_index(self.token, span)
         in_selection = _dense_mask(selected, span)
-        hit_sel = resident.gather(1, selected)             # [rows, k] selected and resident
-        stays = in_selection.gather(1, _map_index(self.token, span))   # [rows, S] resident and selected
-        missing = ~hit_sel
+        missing = ~_dense_mask(self.token, span).gather(1, selected)   # [rows, k] selected, not resident
+        stays = in_selection.gather(1, column)                          # [rows, S] resident and selected
         # Eviction order: empty slots first, then by policy value; selected residents never move.
-        priority = self.score.masked_fill(~in_use, float("-inf")).masked_fill(stays, float("inf"))
+        priority = self.score.masked_fill(column == span, float("-inf")).masked_fill(stays, float("inf"))
         slot_order = torch.argsort(priority, dim=1, stable=True)
-        # Row-major boolean indexing lists each row's missing tokens, and its first free slots, in step.
-        take = torch.arange(k, device=selected.device)[None, :] < missing.sum(1, keepdim=True)
-        row_idx = torch.arange(rows, device=selected.device)[:, None].expand(rows, k)[missing]
-        dest = slot_order[:, :k][take]
-        tokens = selected[missing]
+        # The one host synchronisation: which (row, token) pairs miss, row-major. The i-th missing token
+        # of a row takes that row's i-th slot in eviction order.
+        where = missing.reshape(-1).nonzero().squeeze(1)
+        row_idx = where // k
+        tokens = selected.reshape(-1)[where]
+        rank = missing.cumsum(1).reshape(-1)[where] - 1
+        flat = row_idx * self.capacity + slot_order.reshape(-1)[row_idx * self.capacity + rank]
         moved = 0
         prefetch_hits = 0
         if tokens.numel():
-            fill = torch.empty(tokens.numel(), 2, self.keys.shape[-1], dtype=slow.dtype)
-            from_slow = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
-            if prefetched is not None:
-                pf_tokens, pf_rows = prefetched
-                pf_tokens = pf_tokens.to(selected.device)
-                found, pos = _position(selected, pf_tokens, span)
-                found, pos = found[missing], pos[missing]
-                if bool(found.any()):
-                    src = row_idx[found] * pf_tokens.shape[1] + pos[found]
-                    fill[found.cpu()] = pf_rows.index_select(0, src.cpu())
-                    from_slow = ~found
-                    prefetch_hits = int(found.sum())
-            if bool(from_slow.any()):
-                loaded = slow.gather(row_idx[from_slow], tokens[from_slow])
-                fill[from_slow.cpu()] = loaded
-                moved = loaded.numel() * loaded.element_size()
-            fill = fill.to(self.keys.device, non_blocking=True)
-            flat = row_idx * self.capacity + dest
-            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, to_storage(fill[:, 0], self.keys.dtype))
-            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, to_storage(fill[:, 1], self.values.dtype))
+            if prefetched is None:
+                fill = slow.gather(row_idx, tokens)
+                moved = fill.numel() * fill.element_size()
+            else:
+                fill, moved, prefetch_hits = self._fill_with_prefetch(selected, missing, row_idx, tokens, slow,
+                                                                      prefetched, span)
+            fill = to_storage(fill.to(self.keys.device, non_blocking=True), self.keys.dtype)
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0])
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1])
             self.token.view(-1).index_copy_(0, flat, tokens)
             self.score.view(-1).index_fill_(0, flat, 0.0)
         self.chosen = in_selection.gather(1, _map_index(self.token, span))
         self._update_policy_state(selected, mass, span)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved,
                           prefetch_hits=prefetch_hits)
+
+    @staticmethod
+    def _fill_with_prefetch(selected, missing, row_idx, tokens, slow, prefetched, span):
+        """The missing rows ``[m, 2, d]``, from last step's background load where it holds them, else
+        from the slow tier; and the bytes read from the slow tier, and the prefetch hits."""
+        fill = torch.empty(tokens.numel(), 2, slow.head_dim, dtype=slow.dtype)
+        pf_tokens, pf_rows = prefetched
+        pf_tokens = pf_tokens.to(selected.device)
+        found, pos = _position(selected, pf_tokens, span)
+        found, pos = found[missing], pos[missing]
+        from_slow = ~found
+        hits = int(found.sum())
+        if hits:
+            src = row_idx[found] * pf_tokens.shape[1] + pos[found]
+            fill[found.cpu()] = pf_rows.index_select(0, src.cpu())
+        moved = 0
+        if hits < tokens.numel():
+            loaded = slow.gather(row_idx[from_slow], tokens[from_slow])
+            fill[from_slow.cpu()] = loaded
+            moved = loaded.numel() * loaded.element_size()
+        return fill, moved, hits
 
     def _update_policy_state(self, selected: torch.Tensor, mass: torch.Tensor | None, span: int) -> None:
         chosen = self.chosen
