@@ -24,6 +24,8 @@ __all__ = ["available", "decode_step", "warm_up"]
 
 _RIDGE = 1e-9          # lowrank._ridge_solve's relative ridge
 _TINY = 1e-30
+# Reassociated sums (vectorised loops); no "nnan"/"ninf": the inputs may hold anything.
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
 def available() -> bool:
@@ -33,7 +35,7 @@ def available() -> bool:
 if fused.available():
     from numba import njit
 
-    @njit(cache=True)
+    @njit(cache=True, fastmath=_FASTMATH)
     def _ridge_solve(lhs, rhs):  # pragma: no cover - compiled
         """``(lhs + ridge·I)⁻¹ rhs`` for ``lhs [n, n]``, ``rhs [n, m]`` (copies; float64)."""
         n, m = lhs.shape[0], rhs.shape[1]
@@ -70,7 +72,7 @@ if fused.available():
                 x[c, j] = s / a[c, c]
         return x
 
-    @njit(cache=True)
+    @njit(cache=True, fastmath=_FASTMATH)
     def _rows_times_rows_t(a, b):  # pragma: no cover - compiled
         """``a @ bᵀ`` for ``a [n, d]``, ``b [m, d]`` (float64)."""
         out = np.zeros((a.shape[0], b.shape[0]))
@@ -82,7 +84,7 @@ if fused.available():
                 out[i, j] = s
         return out
 
-    @njit(cache=True)
+    @njit(cache=True, fastmath=_FASTMATH)
     def _line_search(basis, factors, targets):  # pragma: no cover - compiled
         """``lowrank.line_search_basis_step`` for one head: ``basis [r, d]`` float64, ``factors [G, r]``,
         ``targets [G, d]``; returns the new basis (float64)."""
@@ -113,7 +115,7 @@ if fused.available():
         step = num / max(denom, _TINY) if denom > 0 else 0.0
         return basis - step * grad
 
-    @njit(cache=True)
+    @njit(cache=True, fastmath=_FASTMATH)
     def _decode_step(q, k, b_q, b_k, res_lhs, res_rhs, lam, iters, update_bases, q_hat, k_hat):  # pragma: no cover
         n_heads, g_rows, _ = q.shape
         r = b_q.shape[1]

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
@@ -202,6 +203,22 @@ class LRQKLayer(CacheLayer):
         self.slots = SlotTier(b * hkv, self.top_k + self.slot_extra, d, dtype, device, self.policy)
 
     # ---- attention -----------------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The fast decode step answers in one attention call over the selected slots, the window and
+        the new token (nothing to merge); every other step goes through the framework's partials."""
+        if not (self.fast and ctx.q_len == 1 and ctx.past_len > 0 and self.b_k is not None):
+            return super().attend(query, ctx)
+        key, value = self._pending
+        self._query = query
+        self._update_factor_vectors(query)
+        candidates = ctx.past_len - min(self.window, ctx.past_len)
+        if candidates > 0:
+            self._select_and_fill(query, ctx, candidates)
+        out = self._resident_attention(query, key, value, ctx, slots=candidates > 0)
+        self._pending = None
+        self.commit(key, value, ctx)
+        return out.to(query.dtype).transpose(1, 2).contiguous()
+
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         self._query = query
         if ctx.past_len == 0:
@@ -230,10 +247,6 @@ class LRQKLayer(CacheLayer):
         candidates = past - win
         parts = []
         self._update_factor_vectors(query)
-        if self.fast:
-            if candidates > 0:
-                self._select_and_fill(query, ctx, candidates)
-            return [self._resident_partial(query, ctx, slots=candidates > 0)]
         if candidates > 0:
             parts.append(self._topk_partial(query, ctx, candidates))
         if win:
@@ -383,26 +396,31 @@ class LRQKLayer(CacheLayer):
                              pad_len=pad)
         return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
 
-    def _resident_partial(self, query: torch.Tensor, ctx: StepContext, slots: bool) -> Partial:
-        """Exact attention over this step's selection in the slots (``slots``) and the window, in one
-        call: each KV head folded into the batch, the window's rows beside its slots."""
+    def _resident_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
+                            slots: bool) -> torch.Tensor:
+        """Exact attention ``[B, H_q, 1, d]`` of the new token over this step's selection in the slots
+        (``slots``), the window and itself, in one call: each KV head folded into the batch (each holds
+        other tokens), its window and new token beside its slots."""
         b, hq, q, d = query.shape
         hkv = self.info.num_kv_heads
-        rows, device = b * hkv, self.slots.keys.device
+        rows, device, past = b * hkv, self.slots.keys.device, ctx.past_len
         keys, values, index = [], [], []
-        if slots:
-            keys, values, index = [self.slots.keys], [self.slots.values], [self.slots.selected_index(_NEVER)]
-        if self.win_k is not None:
-            n_win, past = self.win_k.shape[2], ctx.past_len
+        if slots:   # slots outside the selection get index -1: hidden like left padding
+            keys, values, index = [self.slots.keys], [self.slots.values], [self.slots.selected_index(-1)]
+        n_win = self.win_k.shape[2] if self.win_k is not None else 0
+        if n_win:
             keys.append(self.win_k.reshape(rows, n_win, d))
             values.append(self.win_v.reshape(rows, n_win, d))
-            index.append(torch.arange(past - n_win, past, device=device).expand(rows, n_win))
+        keys.append(key.reshape(rows, 1, d).to(device))
+        values.append(value.reshape(rows, 1, d).to(device))
+        index.append(torch.arange(past - n_win, past + 1, device=device).expand(rows, n_win + 1))
+        first = ctx.pad_len.to(device).repeat_interleave(hkv)[:, None] if ctx.pad_len is not None else 0
+        visible = (torch.cat(index, 1) >= first)[:, None, None, :]
         folded_q = query.reshape(rows, hq // hkv, q, d).to(device)
-        pad = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
-        part = exact_partial(folded_q, torch.cat(keys, 1).unsqueeze(1), torch.cat(values, 1).unsqueeze(1),
-                             ctx.scaling, key_index=torch.cat(index, 1), query_index=ctx.new_index.to(device),
-                             pad_len=pad)
-        return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
+        out = F.scaled_dot_product_attention(folded_q, torch.cat(keys, 1).unsqueeze(1).to(query.dtype),
+                                             torch.cat(values, 1).unsqueeze(1).to(query.dtype), attn_mask=visible,
+                                             scale=ctx.scaling, enable_gqa=True)
+        return out.reshape(b, hq, q, d).to(query.device)
 
     # ---- prefetch -----------------------------------------------------------------------------------
     def _start_prefetch(self, mass: torch.Tensor, selected: torch.Tensor) -> None:
