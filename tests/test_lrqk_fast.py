@@ -75,20 +75,30 @@ def test_fused_factor_step_equals_torch():
     torch.testing.assert_close(fused_bk, new_b_k, rtol=1e-6, atol=1e-6)
 
 
-def test_slot_fill_matches_a_set_model():
-    """Random selections: after each step the slots hold exactly the selection (rows from the slow
-    tier), and the misses are the selected tokens that were not resident."""
-    g = torch.Generator().manual_seed(3)
-    rows, d, tokens, k = 3, 4, 40, 6
+def _random_selections(g, rows, k, steps=12):
+    for _ in range(steps):
+        pool = torch.randint(0, 12, (rows, 3 * k), generator=g)      # a small pool: many hits
+        yield torch.stack([row.unique()[torch.randperm(row.unique().numel(), generator=g)[:k]] for row in pool])
+
+
+def _filled_slow_tier(g, rows, d, tokens=40):
     slow = SlowTier(rows, d, torch.float32)
     keys, values = torch.randn(1, rows, tokens, d, generator=g), torch.randn(1, rows, tokens, d, generator=g)
     slow.append(keys, values)
+    return slow, keys, values
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_slot_fill_matches_a_set_model(fast):
+    """Random selections: after each step the slots hold exactly the selection (rows from the slow
+    tier), and the misses are the selected tokens that were not resident."""
+    g = torch.Generator().manual_seed(3)
+    rows, d, k = 3, 4, 6
+    slow, keys, values = _filled_slow_tier(g, rows, d)
     tier = SlotTier(rows, k, d, torch.float32, torch.device("cpu"), "set")
     held = [set() for _ in range(rows)]
-    for _ in range(12):
-        pool = torch.randint(0, 12, (rows, 3 * k), generator=g)      # a small pool: many hits
-        sel = torch.stack([row.unique()[torch.randperm(row.unique().numel(), generator=g)[:k]] for row in pool])
-        report = tier.select(sel, slow)
+    for sel in _random_selections(g, rows, k):
+        report = tier.select(sel, slow, fast=fast)
         want = [set(r.tolist()) for r in sel]
         assert report.missed == sum(len(w - h) for w, h in zip(want, held))
         for r in range(rows):
@@ -98,3 +108,20 @@ def test_slot_fill_matches_a_set_model():
                     assert torch.equal(tier.keys[r, slot], keys[0, r, t])
                     assert torch.equal(tier.values[r, slot], values[0, r, t])
         held = want
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.parametrize("policy", ["set", "lru", "attention"])
+def test_planned_slot_fill_places_rows_as_torch(policy):
+    """The compiled fill planner puts every row in the same slot as the torch bookkeeping, for every
+    eviction policy (extra slots, so victims are chosen by the policy's order)."""
+    g = torch.Generator().manual_seed(5)
+    rows, d, k = 2, 4, 5
+    slow, _, _ = _filled_slow_tier(g, rows, d)
+    tiers = [SlotTier(rows, k + 3, d, torch.float32, torch.device("cpu"), policy) for _ in range(2)]
+    for sel in _random_selections(g, rows, k, steps=15):
+        mass = torch.rand(sel.shape, generator=g)
+        reports = [tier.select(sel, slow, mass=mass, fast=fast) for tier, fast in zip(tiers, (False, True))]
+        assert reports[0] == reports[1]
+        for name in ("token", "score", "chosen", "keys", "values"):
+            assert torch.equal(getattr(tiers[0], name), getattr(tiers[1], name)), name

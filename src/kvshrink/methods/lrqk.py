@@ -50,7 +50,15 @@ from kvshrink.methods.lrqk_report import (
     record_prefetch,
     step_report,
 )
-from kvshrink.methods.lrqk_tiers import POLICIES, SLOW_TIERS, SlotTier, SlowTier, make_slow_tier, state_tensors
+from kvshrink.methods.lrqk_tiers import (
+    POLICIES,
+    SLOW_TIERS,
+    SlotTier,
+    SlowTier,
+    make_slow_tier,
+    state_tensors,
+    warm_up_fill_planner,
+)
 
 # chunked_prefill and step_report live in their own modules; importable from here as before.
 __all__ = ["LRQKLayer", "LRQKOptions", "chunked_prefill", "step_report"]
@@ -137,7 +145,8 @@ class LRQKLayer(CacheLayer):
         self.measure_recall = o.measure_recall
         self.fast = o.kernel == "fast"
         if self.fast:
-            lowrank_fused.warm_up()  # compile or load the kernel now, not in the first timed decode step
+            lowrank_fused.warm_up()  # compile or load the kernels now, not in the first timed decode step
+            warm_up_fill_planner()
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 
@@ -301,17 +310,15 @@ class LRQKLayer(CacheLayer):
         tok = self._factor_keys(slots.token.reshape(b, -1, slots.capacity, 1)).reshape(b * f, -1)
         chosen = self._factor_keys(slots.chosen.reshape(b, -1, slots.capacity, 1)).reshape(b * f, -1, 1)
         flat = tok.clamp_min(0) + self.a_k.shape[2] * torch.arange(b * f, device=tok.device)[:, None]
-        a = self.a_k.view(-1, r).index_select(0, flat.reshape(-1)).reshape(b * f, -1, r).float() * chosen
-        keys = self._factor_keys(slots.keys.reshape(b, -1, slots.capacity, slots.keys.shape[-1]))
-        lhs = a.transpose(-1, -2) @ a
-        rhs = (q @ keys.reshape(b * f, slots.capacity, -1).float().transpose(-1, -2)) @ a
+        factors = [self.a_k.view(-1, r).index_select(0, flat.reshape(-1)).reshape(b * f, -1, r) * chosen]
+        keys = [self._factor_keys(slots.keys.reshape(b, -1, slots.capacity, slots.keys.shape[-1]))]
         n_win = self.win_k.shape[2] if self.win_k is not None else 0
         if n_win:
-            a = self.a_k[:, :, self.a_len - n_win: self.a_len].reshape(b * f, n_win, r).float()
-            keys = self._factor_keys(self.win_k).reshape(b * f, n_win, -1).float()
-            lhs = lhs + a.transpose(-1, -2) @ a
-            rhs = rhs + (q @ keys.transpose(-1, -2)) @ a
-        return lhs, rhs
+            factors.append(self.a_k[:, :, self.a_len - n_win: self.a_len].reshape(b * f, n_win, r))
+            keys.append(self._factor_keys(self.win_k))
+        a = torch.cat(factors, 1).float()
+        keys = torch.cat([k.reshape(b * f, k.shape[2], -1) for k in keys], 1).float()
+        return a.transpose(-1, -2) @ a, (q @ keys.transpose(-1, -2)) @ a
 
     def _resident_rows(self, b: int, f: int):
         """A_K rows, keys and weights of the tokens in fast memory (slots + window), per factor head."""
@@ -370,7 +377,7 @@ class LRQKLayer(CacheLayer):
         """Select this step's top-k and make it resident in the slots; returns the selection."""
         selected, mass, all_mass = self._select(ctx, candidates)
         prefetched = self._take_prefetch()
-        report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
+        report = self.slots.select(selected, self.slow, mass, prefetched=prefetched, fast=self.fast)
         record_fill(self.counters, self.step_log, report)
         if self.prefetch_on:
             self._start_prefetch(all_mass, selected)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvshrink.cache.store import held_bytes, to_storage
+from kvshrink.codecs import fused
 
 POLICIES = ("set", "lru", "attention")
 SLOW_TIERS = ("cpu", "disk")
@@ -294,18 +295,21 @@ class SlotTier:
         self.step = 0
 
     def select(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
-               prefetched: tuple[torch.Tensor, torch.Tensor] | None = None) -> FillReport:
+               prefetched: tuple[torch.Tensor, torch.Tensor] | None = None, fast: bool = False) -> FillReport:
         """Make the tokens ``selected [rows, k]`` resident, copying only the missing rows.
 
         ``mass`` ``[rows, k]``: estimated attention mass of the selected tokens (``attention`` policy).
         ``prefetched``: ``(tokens [rows, e], kv [rows*e, 2, d])`` loaded in the background last step;
         a missing token found there is installed from it instead of a blocking slow-tier read.
+        ``fast``: plan the fill in one numba call where it can run (CPU, no prefetch); the same slots.
         """
         self.step += 1
         rows, k = selected.shape
         if k > self.capacity:
             raise ValueError(f"LRQK: {k} selected tokens do not fit {self.capacity} slots")
         selected = selected.to(self.token.device)
+        if fast and prefetched is None and fused.available() and self.token.device.type == "cpu":
+            return self._select_planned(selected, slow, mass)
         # Membership through dense per-row maps over the token ids (every id < slow.length): a
         # scatter and a gather instead of sorting, which dominated this step's cost.
         span = slow.length
@@ -341,6 +345,25 @@ class SlotTier:
         self._update_policy_state(selected, mass, span)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved,
                           prefetch_hits=prefetch_hits)
+
+    def _select_planned(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None) -> FillReport:
+        """``select`` with its bookkeeping (membership, eviction order, slot assignment, the new
+        ``token``/``score``/``chosen``) in one compiled call; only the rows' copies stay in torch."""
+        selected = selected.long().contiguous()
+        rows, k = selected.shape
+        chosen = torch.empty_like(self.chosen)
+        row_idx, tokens, flat = (torch.from_numpy(a) for a in _plan_fill(
+            self.token.numpy(), self.score.numpy(), selected.numpy(), chosen.numpy(), slow.length))
+        self.chosen = chosen
+        moved = 0
+        if tokens.numel():
+            fill = slow.gather(row_idx, tokens)
+            moved = fill.numel() * fill.element_size()
+            fill = to_storage(fill, self.keys.dtype)
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0])
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1])
+        self._update_policy_state(selected, mass, slow.length)
+        return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved)
 
     @staticmethod
     def _fill_with_prefetch(selected, missing, row_idx, tokens, slow, prefetched, span):
@@ -380,6 +403,66 @@ class SlotTier:
 
     def nbytes(self) -> int:
         return held_bytes([self.keys, self.values, self.token, self.score, self.chosen])
+
+
+if fused.available():
+    from numba import njit
+
+    @njit(cache=True)
+    def _plan_fill(token, score, selected, chosen, span):  # pragma: no cover - compiled
+        """``SlotTier.select``'s bookkeeping for every row: the missing tokens take the first slots in
+        eviction order (empty slots, then by policy value, stable; selected residents never move).
+        Updates ``token`` and ``score`` (0 for a new token) in place, writes ``chosen``; returns the
+        missing ``(row, token, flat slot)`` triples, row-major."""
+        rows, capacity = token.shape
+        k = selected.shape[1]
+        slot_of = np.full(span + 1, -1, np.int64)
+        in_selection = np.zeros(span + 1, np.bool_)
+        row_idx = np.empty(rows * k, np.int64)
+        tokens = np.empty(rows * k, np.int64)
+        flat = np.empty(rows * k, np.int64)
+        priority = np.empty(capacity, np.float64)
+        m = 0
+        for r in range(rows):
+            for j in range(k):
+                in_selection[selected[r, j]] = True
+            for s in range(capacity):
+                t = token[r, s]
+                if t < 0:
+                    priority[s] = -np.inf
+                else:
+                    slot_of[t] = s
+                    priority[s] = np.inf if in_selection[t] else score[r, s]
+            order = np.argsort(priority, kind="mergesort")
+            used = 0
+            for j in range(k):
+                t = selected[r, j]
+                if slot_of[t] < 0:
+                    s = order[used]
+                    used += 1
+                    if token[r, s] >= 0:     # evicted: it is not in the selection
+                        slot_of[token[r, s]] = -1
+                    token[r, s] = t
+                    score[r, s] = 0.0
+                    row_idx[m], tokens[m], flat[m] = r, t, r * capacity + s
+                    m += 1
+            for s in range(capacity):
+                t = token[r, s]
+                chosen[r, s] = t >= 0 and in_selection[t]
+            for s in range(capacity):   # reset the per-row maps for the next row
+                t = token[r, s]
+                if t >= 0:
+                    slot_of[t] = -1
+            for j in range(k):
+                in_selection[selected[r, j]] = False
+        return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
+
+
+def warm_up_fill_planner() -> None:
+    """Compile (or load from numba's cache) the fill planner now, on a tiny input."""
+    if fused.available():
+        _plan_fill(np.full((1, 2), -1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 1), np.int64),
+                   np.zeros((1, 2), np.bool_), 1)
 
 
 def _map_index(ids: torch.Tensor, span: int) -> torch.Tensor:
