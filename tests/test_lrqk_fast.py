@@ -66,9 +66,10 @@ def test_fused_factor_step_equals_torch():
     new_b_q = line_search_basis_step(b_q, q_hat, q)
     new_b_k = line_search_basis_step(b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
     aw = a * weight.unsqueeze(-1)
-    fused_bq, fused_bk = b_q.clone(), b_k.clone()
-    fq, fk = lowrank_fused.decode_step(q, k, fused_bq, fused_bk, aw.transpose(-1, -2) @ aw,
-                                       (q @ keys.transpose(-1, -2)) @ aw, 1.0, True)
+    given = b_q.clone(), b_k.clone()
+    fq, fk, fused_bq, fused_bk = lowrank_fused.decode_step(q, k, b_q, b_k, aw.transpose(-1, -2) @ aw,
+                                                           (q @ keys.transpose(-1, -2)) @ aw, 1.0, True)
+    assert torch.equal(b_q, given[0]) and torch.equal(b_k, given[1])      # the inputs are not changed
     torch.testing.assert_close(fq, q_hat, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(fk, k_hat, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(fused_bq, new_b_q, rtol=1e-6, atol=1e-6)

@@ -3,7 +3,7 @@
 ``decode_step`` does what ``lowrank.decode_factor_vectors`` followed by the two
 ``lowrank.line_search_basis_step`` calls do, for every factor head at once: the closed-form updates of
 ``q̂``/``k̂`` (float64, ``r x r`` solves by Gaussian elimination with partial pivoting, the same ridge)
-and the bases' exact-line-search step, written back into the float32 bases in place. The work is a few
+and the bases' exact-line-search step. The work is a few
 thousand flops per head; in torch it is ~150 small ops per layer and step, which cost ~30x the
 arithmetic. The sums over the resident tokens (``AᵀA`` and ``(q·K)A``, the only parts that grow with
 the number of resident tokens) stay in torch, where they are two batched matrix products.
@@ -152,19 +152,23 @@ if fused.available():
 
 def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor,
                 resident_lhs: torch.Tensor, resident_rhs: torch.Tensor, lam: float, update_bases: bool,
-                iters: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q̂ [N, G, r]`` and ``k̂ [N, r]`` (float64) of one new token, and the bases ``b_q``/``b_k``
-    (float32 ``[N, r, d]``, contiguous, CPU) stepped in place when ``update_bases``.
+                iters: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q̂ [N, G, r]`` and ``k̂ [N, r]`` (float64) of one new token, and the bases after the
+    line-search step (new float32 ``[N, r, d]`` tensors; the given ones when not ``update_bases``).
 
-    ``query [N, G, d]``, ``key [N, d]`` (float32); ``resident_lhs [N, r, r]`` = ``AᵀA`` and
-    ``resident_rhs [N, G, r]`` = ``(q·Kᵀ)A`` over the resident tokens (zeros for none), float32."""
+    CPU tensors: ``query [N, G, d]``, ``key [N, d]``, bases ``b_q``/``b_k`` ``[N, r, d]``;
+    ``resident_lhs [N, r, r]`` = ``AᵀA`` and ``resident_rhs [N, G, r]`` = ``(q·Kᵀ)A`` over the
+    resident tokens (zeros for none)."""
     n, g, _ = query.shape
     r = b_q.shape[1]
     q_hat = np.empty((n, g, r))
     k_hat = np.empty((n, r))
-    _decode_step(_array(query), _array(key), b_q.numpy(), b_k.numpy(), _array(resident_lhs),
+    new_b_q, new_b_k = (b.detach().float().clone(memory_format=torch.contiguous_format) for b in (b_q, b_k))
+    _decode_step(_array(query), _array(key), new_b_q.numpy(), new_b_k.numpy(), _array(resident_lhs),
                  _array(resident_rhs), float(lam), int(iters), bool(update_bases), q_hat, k_hat)
-    return torch.from_numpy(q_hat), torch.from_numpy(k_hat)
+    if not update_bases:
+        new_b_q, new_b_k = b_q, b_k
+    return torch.from_numpy(q_hat), torch.from_numpy(k_hat), new_b_q, new_b_k
 
 
 def _array(x: torch.Tensor) -> np.ndarray:
@@ -175,6 +179,5 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) the kernel now, on a tiny input."""
     if not available():
         return
-    b = torch.eye(2, 4).unsqueeze(0).contiguous()
-    decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b.clone(), b.clone(), torch.zeros(1, 2, 2),
-                torch.zeros(1, 1, 2), 1.0, True)
+    b = torch.eye(2, 4).unsqueeze(0)
+    decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b, b, torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), 1.0, True)

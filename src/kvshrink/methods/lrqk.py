@@ -14,6 +14,11 @@ Per layer (see docs/design methods.md §2 and ``codecs/lowrank.py`` for the math
   current token.
 - **slow tier**: every token's full K/V (``cpu`` or ``disk``), never counted in ``nbytes()``.
 
+``kernel="fast"`` (the default) answers a decode step with fewer, larger operations (one attention call
+over slots, window and the new token; the per-token factor update and the slot bookkeeping in numba
+kernels when ``kvshrink[fast]`` is installed); ``kernel="reference"`` is the plain torch path, the
+oracle of ``tests/test_lrqk_fast.py``. Both give the same answers up to float rounding.
+
 When ``top_k`` covers every token older than the window the selection is all of them, so the output
 equals ``full`` (up to float rounding of the log-sum-exp merge).
 """
@@ -118,6 +123,7 @@ class LRQKOptions:
     options=LRQKOptions,
 )
 class LRQKLayer(CacheLayer):
+    fast = True   # what a cache saved before the kernel option was added decodes with
     def __init__(self, spec: LayerSpec, options: LRQKOptions):
         super().__init__(spec)
         o = options
@@ -283,8 +289,8 @@ class LRQKLayer(CacheLayer):
         self._k_hat = k_hat.reshape(b, f, self.rank)
 
     def _update_factor_vectors_fast(self, query: torch.Tensor) -> None:
-        """``_update_factor_vectors`` from the resident tokens' sums (two batched products per part, no
-        concatenation), the r x r updates in one numba call where it can run."""
+        """``_update_factor_vectors`` from the resident tokens' sums, the r x r updates in one numba call
+        where it can run (CPU bases, numba installed), else in torch."""
         b, _, _, d = query.shape
         f = self.a_k.shape[1]
         q = self._factor_queries(query).reshape(b * f, -1, d).float()
@@ -293,8 +299,8 @@ class LRQKLayer(CacheLayer):
         if lowrank_fused.available() and self.b_q.device.type == "cpu":
             if lhs is None:
                 lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
-            q_hat, k_hat = lowrank_fused.decode_step(q, k, self.b_q, self.b_k, lhs, rhs, self.lam,
-                                                     self.update_bases)
+            q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.decode_step(q, k, self.b_q, self.b_k, lhs, rhs,
+                                                                         self.lam, self.update_bases)
         else:
             q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam)
             if self.update_bases:
