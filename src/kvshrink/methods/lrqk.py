@@ -108,9 +108,10 @@ class LRQKOptions:
     seed: int = option(0, "seed of the random initialisation of the factorization")
     measure_recall: bool = option(False, "diagnostic: record the exact attention mass the top-k captures "
                                   "(reads every key from the slow tier each step; slow)")
-    kernel: str = option("fast", "decode path: fast (one attention over slots and window; the per-token factor "
-                         "update in one numba call when kvshrink[fast] is installed) or reference (plain torch "
-                         "ops, the oracle of the tests); the same answers up to float rounding", choices=KERNELS)
+    kernel: str = option("fast", "decode path: fast (one attention call over slots, window and new token; the "
+                         "factor update and the slot bookkeeping in numba kernels when kvshrink[fast] is installed) "
+                         "or reference (plain torch ops, the tests' oracle); the same answers up to float rounding",
+                         choices=KERNELS)
 
     def __post_init__(self):
         if self.slow_tier == "disk" and self.disk_folder is None:
