@@ -126,3 +126,19 @@ def test_planned_slot_fill_places_rows_as_torch(policy):
         assert reports[0] == reports[1]
         for name in ("token", "score", "chosen", "keys", "values"):
             assert torch.equal(getattr(tiers[0], name), getattr(tiers[1], name)), name
+
+
+def test_fast_path_without_numba_equals_reference(models, monkeypatch):
+    """Without kvshrink[fast] the fast path runs its kernels' work in torch: still the same answers."""
+    from kvshrink.codecs import fused
+
+    monkeypatch.setattr(fused, "available", lambda: False)
+    assert not lowrank_fused.available()
+    model = models["llama"]
+    ids, mask = left_pad(prompts([60, 47]))
+    caches = {k: kvshrink.make_cache("lrqk", model, kernel=k, top_k=8, window=4) for k in ("reference", "fast")}
+    ref_seq, ref_logits = greedy(model, ids, mask, caches["reference"], new_tokens=8)
+    seq, logits = greedy(model, ids, mask, caches["fast"], new_tokens=8)
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert caches["fast"].stats()["missed_rows"] == caches["reference"].stats()["missed_rows"]
