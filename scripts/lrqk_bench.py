@@ -15,7 +15,7 @@ import time
 import torch
 
 import kvshrink
-from kvshrink.methods.lrqk import step_report
+from kvshrink.methods.lrqk_report import step_report
 
 
 def haystack_text() -> str:

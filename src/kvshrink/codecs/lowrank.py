@@ -43,6 +43,7 @@ __all__ = [
     "lowrank_objective",
     "key_factors",
     "decode_factor_vectors",
+    "factor_vectors_from_sums",
     "line_search_basis_step",
     "default_rank",
 ]
@@ -197,6 +198,24 @@ def decode_factor_vectors(query: Tensor, key: Tensor, b_q: Tensor, b_k: Tensor, 
 
     Returns ``(q_hat [N, G, r], k_hat [N, r])`` in float64.
     """
+    lhs = rhs = None
+    if resident_factors is not None and resident_factors.shape[-2] > 0:
+        # Sums over the S resident tokens run in float32 (the model's precision; float64 here
+        # cost more than the rest of the step); only the r x r systems need float64.
+        a = resident_factors.float()
+        if resident_weight is not None:
+            a = a * resident_weight.float().unsqueeze(-1)
+        lhs = a.transpose(-1, -2) @ a
+        exact_scores = query.float() @ resident_keys.float().transpose(-1, -2)   # [N,G,S]
+        rhs = exact_scores @ a                                                    # Σ_j (q·K_j) A_j (weighted)
+    return factor_vectors_from_sums(query, key, b_q, b_k, lhs, rhs, lam=lam, iters=iters)
+
+
+def factor_vectors_from_sums(query: Tensor, key: Tensor, b_q: Tensor, b_k: Tensor,
+                             resident_lhs: Tensor | None, resident_rhs: Tensor | None, *,
+                             lam: float = 1.0, iters: int = 2) -> tuple[Tensor, Tensor]:
+    """:func:`decode_factor_vectors` given the resident tokens' sums ``resident_lhs`` = ``AᵀA``
+    ``[N, r, r]`` and ``resident_rhs`` = ``(q·Kᵀ)A`` ``[N, G, r]`` (None: no resident token)."""
     q = query.to(_SOLVE_DTYPE)
     k = key.to(_SOLVE_DTYPE)
     bq = b_q.to(_SOLVE_DTYPE)
@@ -206,15 +225,9 @@ def decode_factor_vectors(query: Tensor, key: Tensor, b_q: Tensor, b_k: Tensor, 
     qk = (q @ k.unsqueeze(-1)).squeeze(-1)                         # [N,G] exact q·k
     rhs_q_base = lam * (q @ bq.transpose(-1, -2))                  # [N,G,r] λ B_Q q
     lhs_q_base = lam * bq_gram
-    if resident_factors is not None and resident_factors.shape[-2] > 0:
-        # Sums over the S resident tokens run in float32 (the model's precision; float64 here
-        # cost more than the rest of the step); only the r x r systems need float64.
-        a = resident_factors.float()
-        if resident_weight is not None:
-            a = a * resident_weight.float().unsqueeze(-1)
-        lhs_q_base = lhs_q_base + (a.transpose(-1, -2) @ a).to(_SOLVE_DTYPE)
-        exact_scores = query.float() @ resident_keys.float().transpose(-1, -2)   # [N,G,S]
-        rhs_q_base = rhs_q_base + (exact_scores @ a).to(_SOLVE_DTYPE)           # Σ_j (q·K_j) A_j (weighted)
+    if resident_lhs is not None:
+        lhs_q_base = lhs_q_base + resident_lhs.to(_SOLVE_DTYPE)
+        rhs_q_base = rhs_q_base + resident_rhs.to(_SOLVE_DTYPE)
     # Least-squares start k̂ = k B_K⁺ (the first update of q̂ needs only k̂).
     bk_k = (bk @ k.unsqueeze(-1)).squeeze(-1)                       # [N,r]
     k_hat = _ridge_solve(bk_gram, bk_k.unsqueeze(-1)).squeeze(-1)

@@ -14,6 +14,11 @@ Per layer (see docs/design methods.md §2 and ``codecs/lowrank.py`` for the math
   current token.
 - **slow tier**: every token's full K/V (``cpu`` or ``disk``), never counted in ``nbytes()``.
 
+``kernel="fast"`` (the default) answers a decode step with fewer, larger operations (one attention call
+over slots, window and the new token; the per-token factor update and the slot bookkeeping in numba
+kernels when ``kvshrink[fast]`` is installed); ``kernel="reference"`` is the plain torch path, the
+oracle of ``tests/test_lrqk_fast.py``. Both give the same answers up to float rounding.
+
 When ``top_k`` covers every token older than the window the selection is all of them, so the output
 equals ``full`` (up to float rounding of the log-sum-exp merge).
 """
@@ -25,23 +30,46 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.rowwise import one_row_layers
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
+from kvshrink.codecs import lowrank_fused
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
+    factor_vectors_from_sums,
     fit_lowrank_qk,
     gram,
     key_factors,
     line_search_basis_step,
 )
-from kvshrink.methods.lrqk_tiers import POLICIES, SLOW_TIERS, SlotTier, SlowTier, make_slow_tier, state_tensors
+from kvshrink.methods.lrqk_prefill import chunked_prefill
+from kvshrink.methods.lrqk_report import (
+    layer_stats,
+    new_counters,
+    record_fill,
+    record_mass_recall,
+    record_prefetch,
+    step_report,
+)
+from kvshrink.methods.lrqk_tiers import (
+    POLICIES,
+    SLOW_TIERS,
+    SlotTier,
+    SlowTier,
+    make_slow_tier,
+    state_tensors,
+    warm_up_fill_planner,
+)
+
+# chunked_prefill and step_report live in their own modules; importable from here as before.
+__all__ = ["LRQKLayer", "LRQKOptions", "chunked_prefill", "step_report"]
 
 FACTOR_HEADS = ("kv", "query")
+KERNELS = ("fast", "reference")
 # Growth step of the key-factor buffer (tokens): the unused tail is held, so it is counted.
 _FACTOR_BLOCK = 256
 # Index given to slots that are resident but not selected: later than any query, so masked.
@@ -80,6 +108,10 @@ class LRQKOptions:
     seed: int = option(0, "seed of the random initialisation of the factorization")
     measure_recall: bool = option(False, "diagnostic: record the exact attention mass the top-k captures "
                                   "(reads every key from the slow tier each step; slow)")
+    kernel: str = option("fast", "decode path: fast (one attention call over slots, window and new token; the "
+                         "factor update and the slot bookkeeping in numba kernels when kvshrink[fast] is installed) "
+                         "or reference (plain torch ops, the tests' oracle); the same answers up to float rounding",
+                         choices=KERNELS)
 
     def __post_init__(self):
         if self.slow_tier == "disk" and self.disk_folder is None:
@@ -93,6 +125,7 @@ class LRQKOptions:
 )
 class LRQKLayer(CacheLayer):
     split_batch_rows = True  # the low-rank factors are fitted per row
+    fast = True   # what a cache saved before the kernel option was added decodes with
     def __init__(self, spec: LayerSpec, options: LRQKOptions):
         super().__init__(spec)
         o = options
@@ -118,6 +151,10 @@ class LRQKLayer(CacheLayer):
         self.exact_selection = o.selection == "exact"
         self.seed = o.seed + 1000 * self.layer_idx
         self.measure_recall = o.measure_recall
+        self.fast = o.kernel == "fast"
+        if self.fast:
+            lowrank_fused.warm_up()  # compile or load the kernels now, not in the first timed decode step
+            warm_up_fill_planner()
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 
@@ -153,9 +190,7 @@ class LRQKLayer(CacheLayer):
         self._query: torch.Tensor | None = None
         self._k_hat: torch.Tensor | None = None
         self._prefetched = None
-        self.counters = {"decode_steps": 0, "selected_rows": 0, "missed_rows": 0, "bytes_moved": 0,
-                         "prefetch_rows": 0, "prefetch_hits": 0, "prefetch_bytes": 0,
-                         "recall_sum": 0.0, "oracle_sum": 0.0, "recall_count": 0}
+        self.counters = new_counters()
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
     def __getstate__(self) -> dict:
@@ -185,6 +220,22 @@ class LRQKLayer(CacheLayer):
         self.slots = SlotTier(b * hkv, self.top_k + self.slot_extra, d, dtype, device, self.policy)
 
     # ---- attention -----------------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The fast decode step answers in one attention call over the selected slots, the window and
+        the new token (nothing to merge); every other step goes through the framework's partials."""
+        if not (self.fast and ctx.q_len == 1 and ctx.past_len > 0 and self.b_k is not None):
+            return super().attend(query, ctx)
+        key, value = self._pending
+        self._query = query
+        self._update_factor_vectors(query)
+        candidates = ctx.past_len - min(self.window, ctx.past_len)
+        if candidates > 0:
+            self._select_and_fill(query, ctx, candidates)
+        out = self._resident_attention(query, key, value, ctx, slots=candidates > 0)
+        self._pending = None
+        self.commit(key, value, ctx)
+        return out.to(query.dtype).transpose(1, 2).contiguous()
+
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         self._query = query
         if ctx.past_len == 0:
@@ -223,6 +274,8 @@ class LRQKLayer(CacheLayer):
 
     def _update_factor_vectors(self, query: torch.Tensor) -> None:
         """q̂/k̂ of the new token against the resident tokens, then the bases' line-search step."""
+        if self.fast:
+            return self._update_factor_vectors_fast(query)
         b = query.shape[0]
         f = self.a_k.shape[1]
         key = self._pending[0]                                        # [B, H_kv, 1, d]
@@ -236,6 +289,44 @@ class LRQKLayer(CacheLayer):
             self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
         self._q_hat = q_hat.reshape(b, f, -1, self.rank)             # [B, F, G/c, r]
         self._k_hat = k_hat.reshape(b, f, self.rank)
+
+    def _update_factor_vectors_fast(self, query: torch.Tensor) -> None:
+        """``_update_factor_vectors`` from the resident tokens' sums, the r x r updates in one numba call
+        where it can run (CPU bases, numba installed), else in torch."""
+        b, _, _, d = query.shape
+        f = self.a_k.shape[1]
+        q = self._factor_queries(query).reshape(b * f, -1, d).float()
+        k = self._factor_keys(self._pending[0]).reshape(b * f, d).float()
+        lhs, rhs = self._resident_sums(q, b, f) if self.fit_resident else (None, None)
+        if lowrank_fused.available() and self.b_q.device.type == "cpu":
+            if lhs is None:
+                lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
+            q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.decode_step(q, k, self.b_q, self.b_k, lhs, rhs,
+                                                                         self.lam, self.update_bases)
+        else:
+            q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam)
+            if self.update_bases:
+                self.b_q = line_search_basis_step(self.b_q, q_hat, q)
+                self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
+        self._q_hat = q_hat.reshape(b, f, -1, self.rank)
+        self._k_hat = k_hat.reshape(b, f, self.rank)
+
+    def _resident_sums(self, q: torch.Tensor, b: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``AᵀA`` ``[B·F, r, r]`` and ``(q·Kᵀ)A`` ``[B·F, G/c, r]`` over the tokens of Ω (last step's
+        selection in the slots, and the window), float32: what ``decode_factor_vectors`` sums."""
+        slots, r = self.slots, self.rank
+        tok = self._factor_keys(slots.token.reshape(b, -1, slots.capacity, 1)).reshape(b * f, -1)
+        chosen = self._factor_keys(slots.chosen.reshape(b, -1, slots.capacity, 1)).reshape(b * f, -1, 1)
+        flat = tok.clamp_min(0) + self.a_k.shape[2] * torch.arange(b * f, device=tok.device)[:, None]
+        factors = [self.a_k.view(-1, r).index_select(0, flat.reshape(-1)).reshape(b * f, -1, r) * chosen]
+        keys = [self._factor_keys(slots.keys.reshape(b, -1, slots.capacity, slots.keys.shape[-1]))]
+        n_win = self.win_k.shape[2] if self.win_k is not None else 0
+        if n_win:
+            factors.append(self.a_k[:, :, self.a_len - n_win: self.a_len].reshape(b * f, n_win, r))
+            keys.append(self._factor_keys(self.win_k))
+        a = torch.cat(factors, 1).float()
+        keys = torch.cat([k.reshape(b * f, k.shape[2], -1) for k in keys], 1).float()
+        return a.transpose(-1, -2) @ a, (q @ keys.transpose(-1, -2)) @ a
 
     def _resident_rows(self, b: int, f: int):
         """A_K rows, keys and weights of the tokens in fast memory (slots + window), per factor head."""
@@ -287,36 +378,25 @@ class LRQKLayer(CacheLayer):
         return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k), mass.reshape(b * hkv, candidates)
 
     def _topk_partial(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> Partial:
+        selected = self._select_and_fill(query, ctx, candidates)
+        return self._slot_partial(query, ctx, selected)
+
+    def _select_and_fill(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> torch.Tensor:
+        """Select this step's top-k and make it resident in the slots; returns the selection."""
         selected, mass, all_mass = self._select(ctx, candidates)
         prefetched = self._take_prefetch()
-        report = self.slots.select(selected, self.slow, mass, prefetched=prefetched)
-        self._record(report)
+        report = self.slots.select(selected, self.slow, mass, prefetched=prefetched, fast=self.fast)
+        record_fill(self.counters, self.step_log, report)
         if self.prefetch_on:
             self._start_prefetch(all_mass, selected)
         if self.measure_recall:
             self._measure_recall(query, ctx, candidates, selected)
-        return self._slot_partial(query, ctx, selected)
+        return selected
 
     def _measure_recall(self, query: torch.Tensor, ctx: StepContext, candidates: int,
                         selected: torch.Tensor) -> None:
-        """Exact attention mass (over the top-k candidates only) that the selection covers, per query
-        head, averaged: how well the proxy scores find the true top-k."""
-        b, hq, _, d = query.shape
-        hkv = self.info.num_kv_heads
         keys, _ = self.slow.read_range(0, candidates)                # [B·H_kv, n, d]
-        q = query.reshape(b * hkv, hq // hkv, d).float()
-        logits = (q @ keys.to(q.device).float().transpose(-1, -2)) * ctx.scaling   # [B·H_kv, G, n]
-        if ctx.pad_len is not None:
-            pad = torch.arange(candidates, device=q.device)[None, :] < ctx.pad_len.to(q.device)[:, None]
-            logits = logits.masked_fill(pad.repeat_interleave(hkv, 0)[:, None, :], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        covered = torch.gather(probs, 2, selected.to(q.device)[:, None, :].expand(-1, hq // hkv, -1)).sum(-1)
-        # The best any per-KV-head selection of the same size can do: the true top-k of the group's mass.
-        best = torch.topk(probs.sum(1), selected.shape[1], dim=-1).indices
-        oracle = torch.gather(probs, 2, best[:, None, :].expand(-1, hq // hkv, -1)).sum(-1)
-        self.counters["recall_sum"] += float(covered.sum())
-        self.counters["oracle_sum"] += float(oracle.sum())
-        self.counters["recall_count"] += covered.numel()
+        record_mass_recall(self.counters, query, keys, ctx.scaling, ctx.pad_len, selected)
 
     def _slot_partial(self, query: torch.Tensor, ctx: StepContext, selected: torch.Tensor) -> Partial:
         """Exact attention over the slots holding the selection; each KV head folded into the batch
@@ -330,6 +410,32 @@ class LRQKLayer(CacheLayer):
                              key_index=key_index, query_index=ctx.new_index.to(slots.keys.device),
                              pad_len=pad)
         return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
+
+    def _resident_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
+                            slots: bool) -> torch.Tensor:
+        """Exact attention ``[B, H_q, 1, d]`` of the new token over this step's selection in the slots
+        (``slots``), the window and itself, in one call: each KV head folded into the batch (each holds
+        other tokens), its window and new token beside its slots."""
+        b, hq, q, d = query.shape
+        hkv = self.info.num_kv_heads
+        rows, device, past = b * hkv, self.slots.keys.device, ctx.past_len
+        keys, values, index = [], [], []
+        if slots:   # slots outside the selection get index -1: hidden like left padding
+            keys, values, index = [self.slots.keys], [self.slots.values], [self.slots.selected_index(-1)]
+        n_win = self.win_k.shape[2] if self.win_k is not None else 0
+        if n_win:
+            keys.append(self.win_k.reshape(rows, n_win, d))
+            values.append(self.win_v.reshape(rows, n_win, d))
+        keys.append(key.reshape(rows, 1, d).to(device))
+        values.append(value.reshape(rows, 1, d).to(device))
+        index.append(torch.arange(past - n_win, past + 1, device=device).expand(rows, n_win + 1))
+        first = ctx.pad_len.to(device).repeat_interleave(hkv)[:, None] if ctx.pad_len is not None else 0
+        visible = (torch.cat(index, 1) >= first)[:, None, None, :]
+        folded_q = query.reshape(rows, hq // hkv, q, d).to(device)
+        out = F.scaled_dot_product_attention(folded_q, torch.cat(keys, 1).unsqueeze(1).to(query.dtype),
+                                             torch.cat(values, 1).unsqueeze(1).to(query.dtype), attn_mask=visible,
+                                             scale=ctx.scaling, enable_gqa=True)
+        return out.reshape(b, hq, q, d).to(query.device)
 
     # ---- prefetch -----------------------------------------------------------------------------------
     def _start_prefetch(self, mass: torch.Tensor, selected: torch.Tensor) -> None:
@@ -352,8 +458,7 @@ class LRQKLayer(CacheLayer):
         tokens, future = self._prefetched
         self._prefetched = None
         rows = future.result()
-        self.counters["prefetch_rows"] += tokens.numel()
-        self.counters["prefetch_bytes"] += rows.numel() * rows.element_size()
+        record_prefetch(self.counters, tokens, rows)
         return tokens, rows
 
     def _drain_prefetch(self) -> None:
@@ -362,15 +467,6 @@ class LRQKLayer(CacheLayer):
         self._prefetched = None
         if pending is not None:
             pending[1].exception()
-
-    def _record(self, report) -> None:
-        c = self.counters
-        c["decode_steps"] += 1
-        c["selected_rows"] += report.selected
-        c["missed_rows"] += report.missed
-        c["bytes_moved"] += report.bytes_moved
-        c["prefetch_hits"] += report.prefetch_hits
-        self.step_log.append((report.selected, report.missed, report.bytes_moved))
 
     # ---- storing -------------------------------------------------------------------------------------
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
@@ -463,22 +559,7 @@ class LRQKLayer(CacheLayer):
         return self.slow.nbytes() if self.slow is not None else 0
 
     def stats(self) -> dict[str, float]:
-        c = self.counters
-        out = {k: float(v) for k, v in c.items()}
-        out["miss_rate"] = c["missed_rows"] / c["selected_rows"] if c["selected_rows"] else 0.0
-        steps = max(1, c["decode_steps"])
-        # Per decode step of this layer; KVShrinkCache.stats() sums layers, giving per-token figures.
-        out["rows_moved_per_token"] = c["missed_rows"] / steps
-        out["bytes_moved_per_token"] = (c["bytes_moved"] + c["prefetch_bytes"]) / steps
-        warm = self.step_log[1:]
-        sel = sum(s for s, _, _ in warm)
-        out["warm_miss_rate"] = sum(m for _, m, _ in warm) / sel if sel else 0.0
-        if c["recall_count"]:
-            out["topk_mass_recall_rate"] = c["recall_sum"] / c["recall_count"]
-            out["topk_mass_oracle_rate"] = c["oracle_sum"] / c["recall_count"]
-        out["fast_tier_bytes"] = float(self.nbytes())
-        out["slow_tier_bytes"] = float(self.slow_tier_bytes())
-        return out
+        return layer_stats(self.counters, self.step_log, self.nbytes(), self.slow_tier_bytes())
 
 
 def _check_writable(folder: str) -> None:
@@ -488,43 +569,3 @@ def _check_writable(folder: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe or ".") or not os.access(probe or ".", os.W_OK | os.X_OK):
         raise ValueError(f"lrqk: disk_folder {folder!r} is not a writable folder")
-
-
-def step_report(cache) -> list[dict[str, float]]:
-    """Per decode step, over all layers of an lrqk cache: miss rate, rows and bytes moved."""
-    logs = [layer.step_log for layer in one_row_layers(cache.layers)]
-    steps = min((len(log) for log in logs), default=0)
-    out = []
-    for i in range(steps):
-        sel = sum(log[i][0] for log in logs)
-        miss = sum(log[i][1] for log in logs)
-        out.append({"step": i, "miss_rate": miss / sel if sel else 0.0, "rows_moved": miss,
-                    "bytes_moved": sum(log[i][2] for log in logs)})
-    return out
-
-
-def close_cache(cache) -> None:
-    """Release every layer's tiers (removes disk-tier folders)."""
-    for layer in cache.layers:
-        if hasattr(layer, "close"):
-            layer.close()
-
-
-def chunked_prefill(model: torch.nn.Module, input_ids: torch.Tensor, cache, chunk: int,
-                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the prompt through ``model`` ``chunk`` tokens at a time with ``cache``; returns the last
-    logits ``[B, vocab]``. Continue with ``model.generate(full_ids, past_key_values=cache, ...)``."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    total = input_ids.shape[1]
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    logits = None
-    with torch.no_grad():
-        for start in range(0, total, chunk):
-            stop = min(total, start + chunk)
-            out = model(input_ids=input_ids[:, start:stop], attention_mask=attention_mask[:, :stop],
-                        position_ids=positions[:, start:stop], past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1]
-    return logits

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvshrink.cache.store import held_bytes, to_storage
+from kvshrink.codecs import fused
 
 POLICIES = ("set", "lru", "attention")
 SLOW_TIERS = ("cpu", "disk")
@@ -294,64 +295,96 @@ class SlotTier:
         self.step = 0
 
     def select(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
-               prefetched: tuple[torch.Tensor, torch.Tensor] | None = None) -> FillReport:
+               prefetched: tuple[torch.Tensor, torch.Tensor] | None = None, fast: bool = False) -> FillReport:
         """Make the tokens ``selected [rows, k]`` resident, copying only the missing rows.
 
         ``mass`` ``[rows, k]``: estimated attention mass of the selected tokens (``attention`` policy).
         ``prefetched``: ``(tokens [rows, e], kv [rows*e, 2, d])`` loaded in the background last step;
         a missing token found there is installed from it instead of a blocking slow-tier read.
+        ``fast``: plan the fill in one numba call where it can run (CPU, no prefetch); the same slots.
         """
         self.step += 1
         rows, k = selected.shape
         if k > self.capacity:
             raise ValueError(f"LRQK: {k} selected tokens do not fit {self.capacity} slots")
         selected = selected.to(self.token.device)
+        if fast and prefetched is None and fused.available() and self.token.device.type == "cpu":
+            return self._select_planned(selected, slow, mass)
         # Membership through dense per-row maps over the token ids (every id < slow.length): a
         # scatter and a gather instead of sorting, which dominated this step's cost.
         span = slow.length
-        in_use = self.token >= 0
-        resident = _dense_mask(self.token, span)
+        column = _map_index(self.token, span)
         in_selection = _dense_mask(selected, span)
-        hit_sel = resident.gather(1, selected)             # [rows, k] selected and resident
-        stays = in_selection.gather(1, _map_index(self.token, span))   # [rows, S] resident and selected
-        missing = ~hit_sel
+        missing = ~_dense_mask(self.token, span).gather(1, selected)   # [rows, k] selected, not resident
+        stays = in_selection.gather(1, column)                          # [rows, S] resident and selected
         # Eviction order: empty slots first, then by policy value; selected residents never move.
-        priority = self.score.masked_fill(~in_use, float("-inf")).masked_fill(stays, float("inf"))
+        priority = self.score.masked_fill(column == span, float("-inf")).masked_fill(stays, float("inf"))
         slot_order = torch.argsort(priority, dim=1, stable=True)
-        # Row-major boolean indexing lists each row's missing tokens, and its first free slots, in step.
-        take = torch.arange(k, device=selected.device)[None, :] < missing.sum(1, keepdim=True)
-        row_idx = torch.arange(rows, device=selected.device)[:, None].expand(rows, k)[missing]
-        dest = slot_order[:, :k][take]
-        tokens = selected[missing]
+        # The one host synchronisation: which (row, token) pairs miss, row-major. The i-th missing token
+        # of a row takes that row's i-th slot in eviction order.
+        where = missing.reshape(-1).nonzero().squeeze(1)
+        row_idx = where // k
+        tokens = selected.reshape(-1)[where]
+        rank = missing.cumsum(1).reshape(-1)[where] - 1
+        flat = row_idx * self.capacity + slot_order.reshape(-1)[row_idx * self.capacity + rank]
         moved = 0
         prefetch_hits = 0
         if tokens.numel():
-            fill = torch.empty(tokens.numel(), 2, self.keys.shape[-1], dtype=slow.dtype)
-            from_slow = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
-            if prefetched is not None:
-                pf_tokens, pf_rows = prefetched
-                pf_tokens = pf_tokens.to(selected.device)
-                found, pos = _position(selected, pf_tokens, span)
-                found, pos = found[missing], pos[missing]
-                if bool(found.any()):
-                    src = row_idx[found] * pf_tokens.shape[1] + pos[found]
-                    fill[found.cpu()] = pf_rows.index_select(0, src.cpu())
-                    from_slow = ~found
-                    prefetch_hits = int(found.sum())
-            if bool(from_slow.any()):
-                loaded = slow.gather(row_idx[from_slow], tokens[from_slow])
-                fill[from_slow.cpu()] = loaded
-                moved = loaded.numel() * loaded.element_size()
-            fill = fill.to(self.keys.device, non_blocking=True)
-            flat = row_idx * self.capacity + dest
-            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, to_storage(fill[:, 0], self.keys.dtype))
-            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, to_storage(fill[:, 1], self.values.dtype))
+            if prefetched is None:
+                fill = slow.gather(row_idx, tokens)
+                moved = fill.numel() * fill.element_size()
+            else:
+                fill, moved, prefetch_hits = self._fill_with_prefetch(selected, missing, row_idx, tokens, slow,
+                                                                      prefetched, span)
+            fill = to_storage(fill.to(self.keys.device, non_blocking=True), self.keys.dtype)
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0])
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1])
             self.token.view(-1).index_copy_(0, flat, tokens)
             self.score.view(-1).index_fill_(0, flat, 0.0)
         self.chosen = in_selection.gather(1, _map_index(self.token, span))
         self._update_policy_state(selected, mass, span)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved,
                           prefetch_hits=prefetch_hits)
+
+    def _select_planned(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None) -> FillReport:
+        """``select`` with its bookkeeping (membership, eviction order, slot assignment, the new
+        ``token``/``score``/``chosen``) in one compiled call; only the rows' copies stay in torch."""
+        selected = selected.long().contiguous()
+        rows, k = selected.shape
+        chosen = torch.empty_like(self.chosen)
+        row_idx, tokens, flat = (torch.from_numpy(a) for a in _plan_fill(
+            self.token.numpy(), self.score.numpy(), selected.numpy(), chosen.numpy(), slow.length))
+        self.chosen = chosen
+        moved = 0
+        if tokens.numel():
+            fill = slow.gather(row_idx, tokens)
+            moved = fill.numel() * fill.element_size()
+            fill = to_storage(fill, self.keys.dtype)
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0])
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1])
+        self._update_policy_state(selected, mass, slow.length)
+        return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved)
+
+    @staticmethod
+    def _fill_with_prefetch(selected, missing, row_idx, tokens, slow, prefetched, span):
+        """The missing rows ``[m, 2, d]``, from last step's background load where it holds them, else
+        from the slow tier; and the bytes read from the slow tier, and the prefetch hits."""
+        fill = torch.empty(tokens.numel(), 2, slow.head_dim, dtype=slow.dtype)
+        pf_tokens, pf_rows = prefetched
+        pf_tokens = pf_tokens.to(selected.device)
+        found, pos = _position(selected, pf_tokens, span)
+        found, pos = found[missing], pos[missing]
+        from_slow = ~found
+        hits = int(found.sum())
+        if hits:
+            src = row_idx[found] * pf_tokens.shape[1] + pos[found]
+            fill[found.cpu()] = pf_rows.index_select(0, src.cpu())
+        moved = 0
+        if hits < tokens.numel():
+            loaded = slow.gather(row_idx[from_slow], tokens[from_slow])
+            fill[from_slow.cpu()] = loaded
+            moved = loaded.numel() * loaded.element_size()
+        return fill, moved, hits
 
     def _update_policy_state(self, selected: torch.Tensor, mass: torch.Tensor | None, span: int) -> None:
         chosen = self.chosen
@@ -370,6 +403,66 @@ class SlotTier:
 
     def nbytes(self) -> int:
         return held_bytes([self.keys, self.values, self.token, self.score, self.chosen])
+
+
+if fused.available():
+    from numba import njit
+
+    @njit(cache=True)
+    def _plan_fill(token, score, selected, chosen, span):  # pragma: no cover - compiled
+        """``SlotTier.select``'s bookkeeping for every row: the missing tokens take the first slots in
+        eviction order (empty slots, then by policy value, stable; selected residents never move).
+        Updates ``token`` and ``score`` (0 for a new token) in place, writes ``chosen``; returns the
+        missing ``(row, token, flat slot)`` triples, row-major."""
+        rows, capacity = token.shape
+        k = selected.shape[1]
+        slot_of = np.full(span + 1, -1, np.int64)
+        in_selection = np.zeros(span + 1, np.bool_)
+        row_idx = np.empty(rows * k, np.int64)
+        tokens = np.empty(rows * k, np.int64)
+        flat = np.empty(rows * k, np.int64)
+        priority = np.empty(capacity, np.float64)
+        m = 0
+        for r in range(rows):
+            for j in range(k):
+                in_selection[selected[r, j]] = True
+            for s in range(capacity):
+                t = token[r, s]
+                if t < 0:
+                    priority[s] = -np.inf
+                else:
+                    slot_of[t] = s
+                    priority[s] = np.inf if in_selection[t] else score[r, s]
+            order = np.argsort(priority, kind="mergesort")
+            used = 0
+            for j in range(k):
+                t = selected[r, j]
+                if slot_of[t] < 0:
+                    s = order[used]
+                    used += 1
+                    if token[r, s] >= 0:     # evicted: it is not in the selection
+                        slot_of[token[r, s]] = -1
+                    token[r, s] = t
+                    score[r, s] = 0.0
+                    row_idx[m], tokens[m], flat[m] = r, t, r * capacity + s
+                    m += 1
+            for s in range(capacity):
+                t = token[r, s]
+                chosen[r, s] = t >= 0 and in_selection[t]
+            for s in range(capacity):   # reset the per-row maps for the next row
+                t = token[r, s]
+                if t >= 0:
+                    slot_of[t] = -1
+            for j in range(k):
+                in_selection[selected[r, j]] = False
+        return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
+
+
+def warm_up_fill_planner() -> None:
+    """Compile (or load from numba's cache) the fill planner now, on a tiny input."""
+    if fused.available():
+        _plan_fill(np.full((1, 2), -1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 1), np.int64),
+                   np.zeros((1, 2), np.bool_), 1)
 
 
 def _map_index(ids: torch.Tensor, span: int) -> torch.Tensor:

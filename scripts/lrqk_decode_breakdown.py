@@ -1,0 +1,52 @@
+"""Per-phase process time of one LRQK decode step (timers wrapped around the layer's private methods) and of
+full's attention, prefilled once each and decoded interleaved. Usage:
+    PYTHONPATH=src .venv/bin/python scripts/lrqk_decode_breakdown.py LENGTH STEPS THREADS lrqk [EXTRA_SPEC...]
+(docs/pending/issue13-lrqk-results.md). The timers add a little time of their own; nested phases overlap."""
+import sys, time, collections, functools, torch
+from kvshrink.eval.backend import KVShrinkBackend
+from kvshrink.eval.tasks import TokenCorpus
+from kvshrink.eval.engine import prefill, _step
+import importlib
+L = importlib.import_module('kvshrink.methods.lrqk')
+T = importlib.import_module('kvshrink.methods.lrqk_tiers')
+B = importlib.import_module('kvshrink.cache.base')
+
+torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+acc = collections.defaultdict(float); cnt = collections.Counter(); on = [False]; CUR = ["?"]
+def timed(obj, name, label=None):
+    f = getattr(obj, name)
+    @functools.wraps(f)
+    def w(*a, **k):
+        if not on[0]: return f(*a, **k)
+        t = time.process_time(); r = f(*a, **k); acc[CUR[0] + ":" + (label or name)] += time.process_time() - t; cnt[CUR[0] + ":" + (label or name)] += 1; return r
+    setattr(obj, name, w)
+for n in ["_update_factor_vectors_fast", "_resident_sums", "_resident_attention", "_select_and_fill", "_update_factor_vectors", "_resident_rows", "_select", "_slot_partial", "_topk_partial", "_decode_partials", "commit", "past_partials"]:
+    if hasattr(L.LRQKLayer, n): timed(L.LRQKLayer, n, "layer." + n)
+timed(T.SlotTier, "select", "slots.select")
+LF = importlib.import_module('kvshrink.codecs.lowrank_fused')
+timed(LF, "decode_step", "numba.decode_step")
+timed(L, "decode_factor_vectors"); timed(L, "line_search_basis_step")
+timed(L, "exact_partial", "lrqk.exact_partial(window)")
+timed(B, "merge_partials")
+timed(B.CacheLayer, "attend", "attend(all)")
+WHO = sys.argv[4] if len(sys.argv) > 4 else "lrqk"
+SPECS = ["full", "lrqk"] + sys.argv[5:]
+length = int(sys.argv[1]); steps = int(sys.argv[2])
+be = KVShrinkBackend(None); model, tok = be.load_model()
+ids = TokenCorpus(tok).ids[:length]
+caches, logits = {}, {}
+for s in SPECS:
+    c = be.make_cache(s, model); lg, pt = prefill(model, c, ids); caches[s], logits[s] = c, lg
+times = {s: [] for s in caches}
+with torch.no_grad():
+    for i in range(steps):
+        for s in caches:
+            nxt = int(logits[s][0].argmax())
+            on[0] = i > 0; CUR[0] = s
+            t = time.process_time(); logits[s] = _step(model, caches[s], torch.tensor([[nxt]])); times[s].append(time.process_time() - t)
+            on[0] = False
+med = {s: sorted(v[1:])[len(v[1:])//2] * 1000 for s, v in times.items()}
+print(f"len {length}: full {med['full']:.1f} ms, lrqk {med[WHO]:.1f} ms, speed ratio {med['full']/med[WHO]:.2f}x")
+n = steps - 1
+for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
+    print(f"  {k:40s} {1000*v/n:7.2f} ms/step  ({cnt[k]//n} calls/step)")

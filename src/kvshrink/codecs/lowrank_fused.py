@@ -1,0 +1,183 @@
+"""LRQK's per-token decode update in one compiled call (numba), with the torch path as its oracle.
+
+``decode_step`` does what ``lowrank.decode_factor_vectors`` followed by the two
+``lowrank.line_search_basis_step`` calls do, for every factor head at once: the closed-form updates of
+``q̂``/``k̂`` (float64, ``r x r`` solves by Gaussian elimination with partial pivoting, the same ridge)
+and the bases' exact-line-search step. The work is a few
+thousand flops per head; in torch it is ~150 small ops per layer and step, which cost ~30x the
+arithmetic. The sums over the resident tokens (``AᵀA`` and ``(q·K)A``, the only parts that grow with
+the number of resident tokens) stay in torch, where they are two batched matrix products.
+
+numba is optional (``kvshrink[fast]``): ``available()`` says whether the kernel can run; callers keep
+the torch functions otherwise. The kernel runs on one thread (its work is too small to share) and is
+compiled once per machine (``cache=True``; ``warm_up`` loads it before anything is timed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvshrink.codecs import fused
+
+__all__ = ["available", "decode_step", "warm_up"]
+
+_RIDGE = 1e-9          # lowrank._ridge_solve's relative ridge
+_TINY = 1e-30
+# Reassociated sums (vectorised loops); no "nnan"/"ninf": the inputs may hold anything.
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+def available() -> bool:
+    return fused.available()
+
+
+if fused.available():
+    from numba import njit
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _ridge_solve(lhs, rhs):  # pragma: no cover - compiled
+        """``(lhs + ridge·I)⁻¹ rhs`` for ``lhs [n, n]``, ``rhs [n, m]`` (copies; float64)."""
+        n, m = lhs.shape[0], rhs.shape[1]
+        a = lhs.copy()
+        x = rhs.copy()
+        scale = 0.0
+        for i in range(n):
+            scale += abs(a[i, i])
+        scale = max(scale / n, _TINY)
+        for i in range(n):
+            a[i, i] += _RIDGE * scale
+        for c in range(n):
+            p = c
+            for i in range(c + 1, n):
+                if abs(a[i, c]) > abs(a[p, c]):
+                    p = i
+            if p != c:
+                for j in range(n):
+                    a[c, j], a[p, j] = a[p, j], a[c, j]
+                for j in range(m):
+                    x[c, j], x[p, j] = x[p, j], x[c, j]
+            for i in range(c + 1, n):
+                f = a[i, c] / a[c, c]
+                if f != 0.0:
+                    for j in range(c + 1, n):
+                        a[i, j] -= f * a[c, j]
+                    for j in range(m):
+                        x[i, j] -= f * x[c, j]
+        for c in range(n - 1, -1, -1):
+            for j in range(m):
+                s = x[c, j]
+                for i in range(c + 1, n):
+                    s -= a[c, i] * x[i, j]
+                x[c, j] = s / a[c, c]
+        return x
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _rows_times_rows_t(a, b):  # pragma: no cover - compiled
+        """``a @ bᵀ`` for ``a [n, d]``, ``b [m, d]`` (float64)."""
+        out = np.zeros((a.shape[0], b.shape[0]))
+        for i in range(a.shape[0]):
+            for j in range(b.shape[0]):
+                s = 0.0
+                for t in range(a.shape[1]):
+                    s += a[i, t] * b[j, t]
+                out[i, j] = s
+        return out
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _line_search(basis, factors, targets):  # pragma: no cover - compiled
+        """``lowrank.line_search_basis_step`` for one head: ``basis [r, d]`` float64, ``factors [G, r]``,
+        ``targets [G, d]``; returns the new basis (float64)."""
+        g_rows, r = factors.shape
+        resid = np.zeros((g_rows, basis.shape[1]))
+        for g in range(g_rows):
+            for t in range(basis.shape[1]):
+                s = -targets[g, t]
+                for i in range(r):
+                    s += factors[g, i] * basis[i, t]
+                resid[g, t] = s
+        grad = np.zeros((r, basis.shape[1]))
+        for i in range(r):
+            for t in range(basis.shape[1]):
+                s = 0.0
+                for g in range(g_rows):
+                    s += factors[g, i] * resid[g, t]
+                grad[i, t] = s
+        num = 0.0
+        denom = 0.0
+        for g in range(g_rows):
+            for t in range(basis.shape[1]):
+                s = 0.0
+                for i in range(r):
+                    s += factors[g, i] * grad[i, t]
+                num += s * resid[g, t]
+                denom += s * s
+        step = num / max(denom, _TINY) if denom > 0 else 0.0
+        return basis - step * grad
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _decode_step(q, k, b_q, b_k, res_lhs, res_rhs, lam, iters, update_bases, q_hat, k_hat):  # pragma: no cover
+        n_heads, g_rows, _ = q.shape
+        r = b_q.shape[1]
+        for n in range(n_heads):
+            qn = q[n].astype(np.float64)
+            kn = k[n:n + 1].astype(np.float64)                       # [1, d]
+            bq = b_q[n].astype(np.float64)
+            bk = b_k[n].astype(np.float64)
+            bq_gram = _rows_times_rows_t(bq, bq)
+            bk_gram = _rows_times_rows_t(bk, bk)
+            qk = _rows_times_rows_t(qn, kn)[:, 0]                   # [G] exact q·k
+            rhs_base = lam * _rows_times_rows_t(qn, bq) + res_rhs[n].astype(np.float64)   # [G, r]
+            lhs_base = lam * bq_gram + res_lhs[n].astype(np.float64)
+            bk_k = _rows_times_rows_t(bk, kn)                          # [r, 1]
+            kh = _ridge_solve(bk_gram, bk_k)[:, 0].copy()
+            qh = np.zeros((g_rows, r))
+            for _ in range(iters):
+                lhs = lhs_base + np.outer(kh, kh)
+                rhs = rhs_base + np.outer(qk, kh)                      # [G, r]
+                qh = _ridge_solve(lhs, rhs.T.copy()).T.copy()
+                lhs_k = lam * bk_gram
+                rhs_k = lam * bk_k
+                for g in range(g_rows):
+                    lhs_k += np.outer(qh[g], qh[g])
+                    for i in range(r):
+                        rhs_k[i, 0] += qk[g] * qh[g, i]
+                kh = _ridge_solve(lhs_k, rhs_k)[:, 0].copy()
+            q_hat[n] = qh
+            k_hat[n] = kh
+            if update_bases:
+                b_q[n] = _line_search(bq, qh, qn).astype(np.float32)
+                b_k[n] = _line_search(bk, kh.reshape(1, r), kn).astype(np.float32)
+
+
+def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor,
+                resident_lhs: torch.Tensor, resident_rhs: torch.Tensor, lam: float, update_bases: bool,
+                iters: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q̂ [N, G, r]`` and ``k̂ [N, r]`` (float64) of one new token, and the bases after the
+    line-search step (new float32 ``[N, r, d]`` tensors; the given ones when not ``update_bases``).
+
+    CPU tensors: ``query [N, G, d]``, ``key [N, d]``, bases ``b_q``/``b_k`` ``[N, r, d]``;
+    ``resident_lhs [N, r, r]`` = ``AᵀA`` and ``resident_rhs [N, G, r]`` = ``(q·Kᵀ)A`` over the
+    resident tokens (zeros for none)."""
+    n, g, _ = query.shape
+    r = b_q.shape[1]
+    q_hat = np.empty((n, g, r))
+    k_hat = np.empty((n, r))
+    new_b_q, new_b_k = (b.detach().float().clone(memory_format=torch.contiguous_format) for b in (b_q, b_k))
+    _decode_step(_array(query), _array(key), new_b_q.numpy(), new_b_k.numpy(), _array(resident_lhs),
+                 _array(resident_rhs), float(lam), int(iters), bool(update_bases), q_hat, k_hat)
+    if not update_bases:
+        new_b_q, new_b_k = b_q, b_k
+    return torch.from_numpy(q_hat), torch.from_numpy(k_hat), new_b_q, new_b_k
+
+
+def _array(x: torch.Tensor) -> np.ndarray:
+    return x.detach().float().contiguous().numpy()
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel now, on a tiny input."""
+    if not available():
+        return
+    b = torch.eye(2, 4).unsqueeze(0)
+    decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b, b, torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), 1.0, True)

@@ -1,0 +1,146 @@
+"""LRQK's fast decode path (kernel="fast") against the reference path (kernel="reference"), which is
+today's plain torch implementation: the same tokens and logits within float32 rounding, the same data
+movement, on tiny random GQA models with a left-padded batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import greedy, left_pad, prompts, tiny_model
+
+import kvshrink
+from kvshrink.cache.rowwise import one_row_layers
+from kvshrink.codecs import lowrank_fused
+from kvshrink.codecs.lowrank import decode_factor_vectors, line_search_basis_step
+from kvshrink.methods.lrqk_tiers import SlotTier, SlowTier
+
+OPTION_SETS = [
+    {},
+    {"factor_heads": "query"},
+    {"window": 0},
+    {"policy": "lru", "prefetch": True},
+    {"policy": "attention"},
+    {"fit_resident": False},
+    {"update_bases": False},
+    {"slot_dtype": "model", "factor_dtype": "float32"},
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"llama": tiny_model("llama"), "qwen2": tiny_model("qwen2", seed=1, num_attention_heads=6, hidden_size=96)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_fast_decode_equals_reference(models, family, options):
+    model = models[family]
+    ids, mask = left_pad(prompts([90, 70, 81]))
+    opts = {"top_k": 8, "window": 4, **options}
+    caches = {k: kvshrink.make_cache("lrqk", model, kernel=k, **opts) for k in ("reference", "fast")}
+    ref_seq, ref_logits = greedy(model, ids, mask, caches["reference"], new_tokens=10)
+    seq, logits = greedy(model, ids, mask, caches["fast"], new_tokens=10)
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    ref_stats, stats = caches["reference"].stats(), caches["fast"].stats()
+    for key in ("selected_rows", "missed_rows", "bytes_moved", "fast_tier_bytes"):
+        assert stats[key] == ref_stats[key], key
+    # the same state after decoding (a batch: each row has its own layers)
+    for a, b in zip(one_row_layers(caches["reference"].layers), one_row_layers(caches["fast"].layers)):
+        # the bases' line-search steps amplify float rounding (the reference's own sums, in another
+        # order, drift as much): compared as a whole, not element by element
+        for ref, got in ((a.b_q, b.b_q), (a.b_k, b.b_k)):
+            assert float((ref - got).norm() / ref.norm()) < 1e-3
+        torch.testing.assert_close(a.a_k[:, :, : a.a_len].float(), b.a_k[:, :, : b.a_len].float(), rtol=1e-3, atol=1e-3)
+        assert torch.equal(a.slots.token.sort(1).values, b.slots.token.sort(1).values)
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+def test_fused_factor_step_equals_torch():
+    g = torch.Generator().manual_seed(0)
+    n, heads, d, r, s = 3, 3, 16, 4, 20
+    q, k = torch.randn(n, heads, d, generator=g), torch.randn(n, d, generator=g)
+    b_q, b_k = torch.randn(n, r, d, generator=g), torch.randn(n, r, d, generator=g)
+    a, keys = torch.randn(n, s, r, generator=g), torch.randn(n, s, d, generator=g)
+    weight = (torch.rand(n, s, generator=g) > 0.3).float()
+    q_hat, k_hat = decode_factor_vectors(q, k, b_q, b_k, resident_factors=a, resident_keys=keys,
+                                         resident_weight=weight)
+    new_b_q = line_search_basis_step(b_q, q_hat, q)
+    new_b_k = line_search_basis_step(b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
+    aw = a * weight.unsqueeze(-1)
+    given = b_q.clone(), b_k.clone()
+    fq, fk, fused_bq, fused_bk = lowrank_fused.decode_step(q, k, b_q, b_k, aw.transpose(-1, -2) @ aw,
+                                                           (q @ keys.transpose(-1, -2)) @ aw, 1.0, True)
+    assert torch.equal(b_q, given[0]) and torch.equal(b_k, given[1])      # the inputs are not changed
+    torch.testing.assert_close(fq, q_hat, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(fk, k_hat, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(fused_bq, new_b_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_bk, new_b_k, rtol=1e-6, atol=1e-6)
+
+
+def _random_selections(g, rows, k, steps=12):
+    for _ in range(steps):
+        pool = torch.randint(0, 12, (rows, 3 * k), generator=g)      # a small pool: many hits
+        yield torch.stack([row.unique()[torch.randperm(row.unique().numel(), generator=g)[:k]] for row in pool])
+
+
+def _filled_slow_tier(g, rows, d, tokens=40):
+    slow = SlowTier(rows, d, torch.float32)
+    keys, values = torch.randn(1, rows, tokens, d, generator=g), torch.randn(1, rows, tokens, d, generator=g)
+    slow.append(keys, values)
+    return slow, keys, values
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_slot_fill_matches_a_set_model(fast):
+    """Random selections: after each step the slots hold exactly the selection (rows from the slow
+    tier), and the misses are the selected tokens that were not resident."""
+    g = torch.Generator().manual_seed(3)
+    rows, d, k = 3, 4, 6
+    slow, keys, values = _filled_slow_tier(g, rows, d)
+    tier = SlotTier(rows, k, d, torch.float32, torch.device("cpu"), "set")
+    held = [set() for _ in range(rows)]
+    for sel in _random_selections(g, rows, k):
+        report = tier.select(sel, slow, fast=fast)
+        want = [set(r.tolist()) for r in sel]
+        assert report.missed == sum(len(w - h) for w, h in zip(want, held))
+        for r in range(rows):
+            assert set(tier.token[r][tier.chosen[r]].tolist()) == want[r]
+            for slot, t in enumerate(tier.token[r].tolist()):
+                if t >= 0:
+                    assert torch.equal(tier.keys[r, slot], keys[0, r, t])
+                    assert torch.equal(tier.values[r, slot], values[0, r, t])
+        held = want
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.parametrize("policy", ["set", "lru", "attention"])
+def test_planned_slot_fill_places_rows_as_torch(policy):
+    """The compiled fill planner puts every row in the same slot as the torch bookkeeping, for every
+    eviction policy (extra slots, so victims are chosen by the policy's order)."""
+    g = torch.Generator().manual_seed(5)
+    rows, d, k = 2, 4, 5
+    slow, _, _ = _filled_slow_tier(g, rows, d)
+    tiers = [SlotTier(rows, k + 3, d, torch.float32, torch.device("cpu"), policy) for _ in range(2)]
+    for sel in _random_selections(g, rows, k, steps=15):
+        mass = torch.rand(sel.shape, generator=g)
+        reports = [tier.select(sel, slow, mass=mass, fast=fast) for tier, fast in zip(tiers, (False, True))]
+        assert reports[0] == reports[1]
+        for name in ("token", "score", "chosen", "keys", "values"):
+            assert torch.equal(getattr(tiers[0], name), getattr(tiers[1], name)), name
+
+
+def test_fast_path_without_numba_equals_reference(models, monkeypatch):
+    """Without kvshrink[fast] the fast path runs its kernels' work in torch: still the same answers."""
+    from kvshrink.codecs import fused
+
+    monkeypatch.setattr(fused, "available", lambda: False)
+    assert not lowrank_fused.available()
+    model = models["llama"]
+    ids, mask = left_pad(prompts([60, 47]))
+    caches = {k: kvshrink.make_cache("lrqk", model, kernel=k, top_k=8, window=4) for k in ("reference", "fast")}
+    ref_seq, ref_logits = greedy(model, ids, mask, caches["reference"], new_tokens=8)
+    seq, logits = greedy(model, ids, mask, caches["fast"], new_tokens=8)
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert caches["fast"].stats()["missed_rows"] == caches["reference"].stats()["missed_rows"]
