@@ -9,6 +9,7 @@ import importlib.util
 EXTRAS = {
     "eval": "the evaluation harness's plots and the embedded GGUF model (matplotlib, gguf)",
     "baselines": "the hf-quantized baseline's backends (optimum-quanto, hqq)",
+    "gpu": "the Triton decode kernels of the GPU path (triton; CUDA builds of torch bring it)",
 }
 
 
