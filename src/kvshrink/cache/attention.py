@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvshrink.kernels.backend import gpu_path
+
 # Score elements computed at once per block (bounds the memory of prefill-with-past attention).
 _BLOCK_ELEMENTS = 1 << 24
 
@@ -85,13 +87,27 @@ def exact_partial(
     query_index: torch.Tensor | None = None,
     pad_len: torch.Tensor | None = None,
     return_probs: bool = False,
+    key_start: int = 0,
 ) -> Partial | tuple[Partial, torch.Tensor]:
     """Exact attention of ``query [B, H_q, q, d]`` over ``key/value [B, H_kv, n, d]``.
 
     ``key_index`` (``[n]`` or ``[B, n]``) and ``query_index`` (``[q]``) are token indices used for
-    padding and causality (see :func:`visibility_mask`). With ``return_probs`` the attention
-    probabilities ``[B, H_q, q, n]`` (normalised within this part) are returned too.
+    padding and causality (see :func:`visibility_mask`); without ``key_index`` the keys are tokens
+    ``key_start .. key_start+n-1``. With ``return_probs`` the attention probabilities ``[B, H_q, q, n]``
+    (normalised within this part) are returned too.
+
+    On the GPU path (``kvshrink.kernels.backend.gpu_path``) without ``return_probs`` this is the Triton
+    kernel of ``kvshrink.kernels.exact_attention``: keys and values read in their stored dtype, fp32
+    accumulation, masks computed in the kernel, no host synchronisation.
     """
+    if not return_probs and gpu_path(query):
+        from kvshrink.kernels.exact_attention import exact_attention
+
+        out, lse = exact_attention(query, key, value, scaling, key_index=key_index, query_index=query_index,
+                                   pad_len=pad_len, key_start=key_start)
+        return Partial(out, lse)
+    if key_index is None and key_start and (pad_len is not None or query_index is not None):
+        key_index = torch.arange(key_start, key_start + key.shape[2], device=key.device)
     mask = visibility_mask(key_index, key.shape[2], query_index, pad_len, query.device)
     if not return_probs and _cpu_flash_available(query):
         return _flash_partial(query, key, value, scaling, mask)
@@ -182,7 +198,9 @@ def causal_chunk_attention(
     This is the prefill fast path: nothing to merge, so the log-sum-exp is not needed.
     """
     q = query.shape[2]
-    if pad_len is None or not bool((pad_len > 0).any()):
+    # the framework passes pad_len only when some row is padded (KVShrinkCache._record_padding); on the
+    # GPU path the mask is built without asking the device whether it is needed (no host sync)
+    if pad_len is None or (not gpu_path(query) and not bool((pad_len > 0).any())):
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
     idx = torch.arange(q, device=query.device)
     mask = visibility_mask(idx, q, idx, pad_len, query.device)

@@ -1,0 +1,111 @@
+"""The Triton kernel behind ``kvshrink.kernels.exact_attention`` (imported only through ``_kernel()`` there,
+after ``kvshrink.kernels.backend.triton()`` chose the interpreter when no GPU is present)."""
+
+import triton
+import triton.language as tl
+
+# Only Triton builtins and functions jitted here: Triton's own @jit library functions (tl.max, tl.sum,
+# tl.zeros) are compiled-mode objects when something imported Triton before TRITON_INTERPRET=1 was set
+# (transformers does, through torch), and then cannot run in the interpreter on CPU.
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _exact_attention_kernel(
+    Q, K, V, O, L, KIDX, PAD, QIDX,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_om, stride_od,
+    stride_lb, stride_lh, stride_ls, stride_lm,
+    stride_ib, stride_in,
+    n_kv_heads, groups, n_rows, q_len, n_keys, head_dim, keys_per_split, key_start, scaling,
+    HAS_KIDX: tl.constexpr, HAS_PAD: tl.constexpr, HAS_QIDX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    COMPUTE_FP32: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // n_kv_heads
+    h = pid_bh % n_kv_heads
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # grouped query rows: head g = row // q_len
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    dim_ok = dims < head_dim
+    q_head = h * groups + rows // q_len  # query head of each grouped row, and its query position
+    q_ptrs = (Q + b * stride_qb + q_head[:, None] * stride_qh + (rows % q_len)[:, None] * stride_qm
+              + dims[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if COMPUTE_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(K.dtype.element_ty)
+
+    if HAS_PAD:
+        pad = tl.load(PAD + b).to(tl.int64)
+    if HAS_QIDX:
+        qidx = tl.load(QIDX + rows % q_len, mask=row_ok, other=0).to(tl.int64)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+
+    lo = pid_s * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, n_keys)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k_ptrs = K + b * stride_kb + h * stride_kh + cols[None, :] * stride_kn + dims[:, None] * stride_kd
+        k = tl.load(k_ptrs, mask=col_ok[None, :] & dim_ok[:, None], other=0.0)  # [D, N]
+        v_ptrs = V + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn + dims[None, :] * stride_vd
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [N, D]
+        if COMPUTE_FP32:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(q.dtype))
+        s = s * scaling
+        visible = row_ok[:, None] & col_ok[None, :]
+        if HAS_KIDX or HAS_PAD or HAS_QIDX:
+            if HAS_KIDX:
+                kidx = tl.load(KIDX + b * stride_ib + cols * stride_in, mask=col_ok, other=0).to(tl.int64)
+            else:
+                kidx = (key_start + cols).to(tl.int64)
+            seen = col_ok
+            if HAS_PAD:
+                seen = seen & (kidx >= pad)
+            if HAS_QIDX:
+                causal = (kidx[None, :] <= qidx[:, None]) & seen[None, :]
+                own = kidx[None, :] == qidx[:, None]
+                visible = visible & (causal | own)
+            else:
+                visible = visible & seen[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
+        if COMPUTE_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    seen_any = l_i > 0.0
+    out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    o_ptrs = O + b * stride_ob + h * stride_oh + pid_s * stride_os + rows[:, None] * stride_om + dims[None, :] * stride_od
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(L + b * stride_lb + h * stride_lh + pid_s * stride_ls + rows * stride_lm, lse, mask=row_ok)

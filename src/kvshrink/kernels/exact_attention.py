@@ -1,0 +1,122 @@
+"""Exact partial attention on the GPU path: a Triton flash-decode kernel returning ``out`` and ``lse``.
+
+``exact_attention(query, key, value, scaling, ...)`` is the GPU-path twin of
+``kvshrink.cache.attention.exact_partial`` (its oracle in the tests): attention of ``query [B, H_q, q, d]``
+over ``key/value [B, H_kv, n, d]`` read in their stored dtype (fp16, bf16 or fp32; scores, softmax and
+the output accumulated in fp32), with the same visibility rules as ``visibility_mask``:
+
+- key ``t`` of row ``b`` is left padding (invisible) when its token index is ``< pad_len[b]``;
+- with ``query_index`` a key is invisible when its index is ``> query_index`` (the future), but a query
+  always sees its own token;
+- a query row that sees no key gets ``lse = -inf`` and ``out = 0`` (it contributes nothing when merged).
+
+Token indices of the keys are ``key_start + t`` (a contiguous store: nothing is read) or an int tensor
+``key_index`` (``[n]`` or ``[B, n]``). GQA: one program handles the ``G`` query heads of a KV head
+together (queries grouped as in ``group_queries``), so every key is read once per program and never
+repeated per query head. The key axis is split over ``num_splits`` programs when one row of programs
+would leave the GPU idle (decode: few queries, many keys); the splits are combined by log-sum-exp.
+
+No host synchronisation: every size is a host-known shape, every mask is computed on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvshrink.kernels import counting
+from kvshrink.kernels.backend import interpreting, triton
+
+__all__ = ["exact_attention"]
+
+_BLOCK_N = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    triton()  # imports Triton (in its interpreter without a GPU) or raises ImportError naming the extra
+    from kvshrink.kernels._exact_attention_triton import _exact_attention_kernel
+
+    return _exact_attention_kernel
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _splits(n: int, programs: int, device: torch.device) -> int:
+    """Key splits: enough programs to fill the GPU, each with at least four key blocks."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    most = max(1, -(-n // (4 * _BLOCK_N)))
+    want = max(1, -(-2 * _sm_count(device) // max(1, programs)))
+    return min(most, want, 64)
+
+
+def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                    key_index: torch.Tensor | None = None, query_index: torch.Tensor | None = None,
+                    pad_len: torch.Tensor | None = None, key_start: int = 0,
+                    num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H_q, q, d] float32, lse [B, H_q, q] float32)`` of ``query`` over ``key/value``.
+
+    ``key_index`` (``[n]`` or ``[B, n]`` ints) gives the token index of each key; without it the keys are
+    tokens ``key_start .. key_start+n-1``. ``query_index`` (``[q]``) and ``pad_len`` (``[B]``) as in
+    ``kvshrink.cache.attention.visibility_mask``. ``num_splits`` overrides the split of the key axis.
+    """
+    b, hq, q, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if key.shape[0] != b and key.shape[0] == 1:
+        key, value = key.expand(b, -1, -1, -1), value.expand(b, -1, -1, -1)
+    rows = (hq // hkv) * q
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_d = max(16, 1 << (d - 1).bit_length())
+    grid_m = -(-rows // block_m)
+    splits = num_splits or _splits(n, b * hkv * grid_m, query.device)
+    splits = max(1, min(splits, max(1, -(-n // _BLOCK_N))))
+    per_split = -(-max(n, 1) // splits)
+    per_split = -(-per_split // _BLOCK_N) * _BLOCK_N
+    splits = max(1, -(-n // per_split)) if n else 1
+    out = torch.empty(b, hkv, splits, rows, d, device=query.device, dtype=torch.float32)
+    lse = torch.empty(b, hkv, splits, rows, device=query.device, dtype=torch.float32)
+
+    # fp32 scores when any input is fp32 (exact, no tf32); Triton's interpreter cannot tl.dot bfloat16
+    # (it holds them as uint16), so there bf16 tiles are widened to fp32 first
+    compute_fp32 = torch.float32 in (query.dtype, key.dtype, value.dtype) or (
+        interpreting() and torch.bfloat16 in (query.dtype, key.dtype, value.dtype))
+    kidx = key_index
+    if kidx is not None:
+        if kidx.dim() == 1:
+            stride_ib, stride_in = 0, kidx.stride(0)
+        else:
+            stride_ib, stride_in = kidx.stride(0), kidx.stride(1)
+    else:
+        stride_ib = stride_in = 0
+    dummy = out  # a pointer for the arguments a specialisation never reads
+    pad = pad_len.to(query.device) if pad_len is not None else None
+    qidx = query_index.to(query.device) if query_index is not None else None
+    with counting.kernel_launch("exact_attention"):
+        _kernel()[(b * hkv, grid_m, splits)](
+            query, key, value, out, lse,
+            kidx if kidx is not None else dummy, pad if pad is not None else dummy,
+            qidx if qidx is not None else dummy,
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
+            stride_ib, stride_in,
+            hkv, hq // hkv, rows, q, n, d, per_split, key_start, float(scaling),
+            HAS_KIDX=kidx is not None, HAS_PAD=pad is not None, HAS_QIDX=qidx is not None,
+            BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, COMPUTE_FP32=compute_fp32,
+        )
+    if splits == 1:
+        return out.reshape(b, hq, q, d), lse.reshape(b, hq, q)
+    total = torch.logsumexp(lse, dim=2)  # [b, hkv, rows]
+    weights = torch.exp(lse - total.masked_fill(torch.isinf(total), 0.0).unsqueeze(2))
+    merged = (weights.unsqueeze(-1) * out).sum(dim=2)
+    return merged.reshape(b, hq, q, d), total.reshape(b, hq, q)
