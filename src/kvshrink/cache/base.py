@@ -16,7 +16,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvshrink.cache.attention import Partial, causal_chunk_attention, exact_partial, merge_partials
-from kvshrink.cache.store import fp16_kv_bytes, held_bytes
+from kvshrink.cache.store import DEFERRED_CHECK_EVERY, defer_nan, fp16_kv_bytes, held_bytes, raise_deferred
+from kvshrink.kernels.backend import gpu_path
 
 
 class CacheReuseError(RuntimeError):
@@ -67,10 +68,17 @@ class StepContext:
         self.offset = offset
         self._rotary = rotary
         self._dtype = dtype
+        self._new_index: torch.Tensor | None = None
 
     @property
     def new_index(self) -> torch.Tensor:
-        return torch.arange(self.past_len, self.past_len + self.q_len, device=self.offset.device)
+        """Token indices ``[q_len]`` of this step's new tokens (made once per step, shared by the layers;
+        it carries its first value on the host as ``kvshrink_first``, see ``store.first_index``)."""
+        if self._new_index is None:
+            index = torch.arange(self.past_len, self.past_len + self.q_len, device=self.offset.device)
+            index.kvshrink_first = self.past_len
+            self._new_index = index
+        return self._new_index
 
     def positions(self, index: torch.Tensor) -> torch.Tensor:
         """RoPE positions ``[B, n]`` of token indices ``index`` (``[n]`` or ``[B, n]``)."""
@@ -426,8 +434,17 @@ class KVShrinkCache(CacheAccounting, Cache):
         b, _, q, _ = key_states.shape
         if self._batch is not None and b != self._batch:
             raise ValueError(f"kvshrink: this cache holds a batch of {self._batch} rows, got {b}")
-        if torch.isnan(key_states).any():
-            raise ValueError("kvshrink: NaN in the key states of layer 0; check the model inputs")
+        nan = "NaN in the key states of layer 0; check the model inputs"
+        if gpu_path(key_states) and q == 1 and self.get_seq_length():
+            # a decode step on the GPU path never waits for the device: its checks are deferred to the next
+            # prefill, every DEFERRED_CHECK_EVERY decode steps and nbytes() (store.raise_deferred)
+            defer_nan(key_states, nan)
+            if (self.decode_steps + 1) % DEFERRED_CHECK_EVERY == 0:
+                raise_deferred()
+        else:
+            raise_deferred()
+            if torch.isnan(key_states).any():
+                raise ValueError(f"kvshrink: {nan}")
         total, limit = self.get_seq_length() + q, self.info.max_positions
         if limit and total > limit:
             raise ValueError(f"kvshrink: {total} tokens (prompt and answer so far) exceed the model's {limit} positions "
@@ -452,11 +469,17 @@ class KVShrinkCache(CacheAccounting, Cache):
         if self._ctx is not None:
             return self._ctx
         past_len = self.layers[0].seen - q_len
-        self._record_padding(attention_mask, past_len + q_len, device)
-        self._record_positions(position_ids, past_len, q_len, device)
+        if not (past_len and q_len == 1 and self._steps_on_gpu_path(device)):
+            # learned on the first step, checked on every later one, except decode steps on the GPU path
+            # (checking would wait for the device); there the padding and offsets of the first step hold
+            self._record_padding(attention_mask, past_len + q_len, device)
+            self._record_positions(position_ids, past_len, q_len, device)
         self._ctx = StepContext(past_len, q_len, scaling, self._pad_len, self._offset, self.info.rotary,
                                 self.info.dtype)
         return self._ctx
+
+    def _steps_on_gpu_path(self, device: torch.device) -> bool:
+        return self._offset is not None and gpu_path(self._offset)
 
     def _record_padding(self, attention_mask: Any, kv_len: int, device: torch.device) -> None:
         if attention_mask is None:
@@ -570,7 +593,9 @@ class KVShrinkCache(CacheAccounting, Cache):
         return self._batch or 1
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (all layers plus the cache's own bookkeeping)."""
+        """Bytes of every tensor the cache holds (all layers plus the cache's own bookkeeping); raises the
+        errors a GPU-path decode step deferred (store.raise_deferred)."""
+        raise_deferred()
         return sum(layer.nbytes() for layer in self.layers) + held_bytes(self._bookkeeping())
 
     def breakdown(self) -> dict[str, int]:

@@ -28,6 +28,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvshrink.cache.base import KVShrinkCache, LayerHandle
+from kvshrink.cache.store import raise_deferred
+from kvshrink.kernels.backend import gpu_path, gpu_path_forced
 
 ATTENTION_NAME = "kvshrink"
 _INSTALLED = "_kvshrink_installed"
@@ -59,7 +61,25 @@ def kvshrink_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, v
         scaling = query.shape[-1] ** -0.5
     ctx = key.cache.step_context(attention_mask, kwargs.get("position_ids"), query.shape[2], scaling,
                                  query.device)
-    return key.layer.attend(query, ctx), None
+    out = key.layer.attend(query, ctx)
+    if ctx.q_len > 1 and key.layer is key.cache.layers[-1]:
+        raise_deferred()  # the end of a prefill (which synchronises anyway): checks deferred by the GPU path
+    return out, None
+
+
+def kvshrink_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs):
+    """The mask function of the "kvshrink" implementation: transformers' SDPA mask, except for a decode
+    step (one new token after a past) on the GPU path, which gets None: a kvshrink cache learns each row's
+    left padding on its first step and needs no mask after it, and building one costs launches and a host
+    sync (``padding_mask.all()`` in transformers' check whether the mask can be skipped)."""
+    if q_length == 1 and kv_length > 1:
+        mask = kwargs.get("attention_mask")
+        device = kwargs.get("device", "cpu")
+        on_gpu = gpu_path(mask) if isinstance(mask, torch.Tensor) else (
+            torch.device(device).type == "cuda" or gpu_path_forced())
+        if on_gpu:
+            return None
+    return sdpa_mask(batch_size, q_length, kv_length, *args, **kwargs)
 
 
 _registered = False
@@ -71,7 +91,7 @@ def register() -> None:
     if _registered:
         return
     AttentionInterface.register(ATTENTION_NAME, kvshrink_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, kvshrink_mask)
     _registered = True
 
 

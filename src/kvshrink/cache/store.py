@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
+from kvshrink.kernels.backend import gpu_path
 
 # Storage dtypes a method option may name (one spelling for every method).
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -29,18 +30,78 @@ def exact_storage_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``x`` in ``dtype`` (unchanged for None); ValueError rather than a silent inf when narrowing to
-    float16 would overflow (bf16 and fp32 models can hold values beyond float16's 65504)."""
+    float16 would overflow (bf16 and fp32 models can hold values beyond float16's 65504).
+
+    On the GPU path the check must not wait for the device: the largest magnitude narrowed is kept on
+    the device (`defer_peak`) and checked by `raise_deferred` at the next point that synchronises anyway
+    (the next prefill, every ``DEFERRED_CHECK_EVERY`` decode steps, ``cache.nbytes()``)."""
     if dtype is None or x.dtype == dtype:
         return x
     if dtype == torch.float16 and x.numel():
-        peak = float(x.detach().abs().amax())
-        if peak > _FP16_MAX:
-            raise ValueError(
-                f"kvshrink: a key or value of {peak:.4g} is beyond float16's range (+-65504); stored as float16 "
-                "it would become inf. Store exact tokens in the model's dtype (the method's dtype option: "
-                "'model') for this model."
-            )
+        if gpu_path(x):
+            defer_peak(torch.linalg.vector_norm(x.detach(), ord=float("inf")), _FP16_MAX, _OVERFLOW)
+        else:
+            peak = float(x.detach().abs().amax())
+            if peak > _FP16_MAX:
+                raise ValueError(f"kvshrink: a key or value of {peak:.4g} is beyond float16's range (+-65504); "
+                                 + _OVERFLOW)
     return x.to(dtype)
+
+
+_OVERFLOW = ("stored as float16 it would become inf. Store exact tokens in the model's dtype (the method's "
+             "dtype option: 'model') for this model.")
+
+# ---- checks deferred on the GPU path (no host synchronisation in a decode step) -------------------
+# How often (in decode steps) a kvshrink cache on the GPU path synchronises once to raise deferred errors.
+DEFERRED_CHECK_EVERY = 64
+_DEFERRED: dict[tuple[str, str], tuple[torch.Tensor, float]] = {}
+
+
+def defer_peak(value: torch.Tensor, limit: float, message: str) -> None:
+    """Keep the running maximum of the 0-d device tensor ``value``; `raise_deferred` raises ValueError
+    with ``message`` once it has exceeded ``limit``. Nothing waits for the device here."""
+    key = (message, str(value.device))
+    held = _DEFERRED.get(key)
+    value = value.detach().float()
+    _DEFERRED[key] = (value if held is None else torch.maximum(held[0], value), limit)
+
+
+def defer_nan(x: torch.Tensor, message: str) -> None:
+    """`raise_deferred` raises ValueError with ``message`` if ``x`` held a NaN (two launches: the largest
+    magnitude, which NaN propagates into, and the running maximum)."""
+    defer_peak(torch.linalg.vector_norm(x.detach(), ord=float("inf")), float("inf"), message)
+
+
+def raise_deferred() -> None:
+    """Raise the first error recorded by `defer_peak` / `defer_flag` since the last call (synchronises)."""
+    if not _DEFERRED:
+        return
+    pending = list(_DEFERRED.items())
+    _DEFERRED.clear()
+    for (message, _), (value, limit) in pending:
+        peak = float(value)
+        if peak > limit or peak != peak:  # beyond the limit, or NaN (which a maximum propagates)
+            what = f" (largest magnitude {peak:.4g})" if peak == peak else ""
+            raise ValueError(f"kvshrink: in a recent step on the GPU path{what}: {message}")
+
+
+def first_index(index: torch.Tensor) -> int:
+    """``int(index[0])`` of a 1-D token index, read without waiting for the device when the index is a
+    step's ``StepContext.new_index`` (which carries its first value on the host)."""
+    first = getattr(index, "kvshrink_first", None)
+    return int(index[0]) if first is None else first
+
+
+def _int32(index: torch.Tensor) -> torch.Tensor:
+    """``index`` as int32; a step's ``new_index`` converts once per step, shared by the layers."""
+    if index.dtype == torch.int32:
+        return index
+    if getattr(index, "kvshrink_first", None) is None:
+        return index.to(torch.int32)
+    converted = getattr(index, "kvshrink_int32", None)
+    if converted is None:
+        converted = index.kvshrink_int32 = index.to(torch.int32)
+    return converted
 
 
 # Tokens dequantized at once when a method attends over a quantized segment (bounds transient memory).
@@ -103,12 +164,13 @@ class ExactStore:
         """Add tokens ``[B, H_kv, q, d]`` whose indices are ``index`` (``[q]`` or ``[B, q]``)."""
         key, value = to_storage(key, self.dtype), to_storage(value, self.dtype)
         if self.keys is None and self.index is None and index.dim() == 1:
-            self.start = int(index[0])  # an empty store starts where its first tokens do (e.g. a window)
-        contiguous = index.dim() == 1 and self.index is None and int(index[0]) == self.start + len(self)
+            self.start = first_index(index)  # an empty store starts where its first tokens do (e.g. a window)
+        contiguous = index.dim() == 1 and self.index is None and first_index(index) == self.start + len(self)
         if not contiguous:
             self._materialise_index(key.shape[0])
-            idx = index if index.dim() == 2 else index.unsqueeze(0).expand(key.shape[0], -1)
-            self.index = idx.to(torch.int32) if self.index is None else torch.cat([self.index, idx.to(torch.int32)], 1)
+            idx = _int32(index)
+            idx = idx if idx.dim() == 2 else idx.unsqueeze(0).expand(key.shape[0], -1)
+            self.index = idx if self.index is None else torch.cat([self.index, idx], 1)
         if self.keys is None:
             self.keys, self.values = key.contiguous(), value.contiguous()
         else:
@@ -153,8 +215,18 @@ class ExactStore:
     def partial(self, query: torch.Tensor, scaling: float, pad_len: torch.Tensor | None,
                 return_probs: bool = False):
         """Exact attention of ``query`` over every stored token (all are in the query's past)."""
+        if self.index is None and not return_probs and gpu_path(query):  # indices start.. known: no arange
+            return exact_partial(query, self.keys, self.values, scaling, pad_len=pad_len, key_start=self.start)
         return exact_partial(query, self.keys, self.values, scaling, key_index=self.token_index(),
                              pad_len=pad_len, return_probs=return_probs)
+
+    def keep_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Keep the store positions ``a..b-1`` of each ``(a, b)`` in ``ranges`` (the same in every row):
+        slices and one concatenation, no gather and no index arithmetic (streaming's sinks and window)."""
+        self._materialise_index(self.keys.shape[0])
+        self.keys = torch.cat([self.keys[:, :, a:b] for a, b in ranges], dim=2)
+        self.values = torch.cat([self.values[:, :, a:b] for a, b in ranges], dim=2)
+        self.index = torch.cat([self.index[:, a:b] for a, b in ranges], dim=1)
 
     def select_batch(self, indices: torch.Tensor) -> None:
         if self.keys is None:

@@ -4,9 +4,11 @@ after ``kvshrink.kernels.backend.triton()`` chose the interpreter when no GPU is
 import triton
 import triton.language as tl
 
-# Only Triton builtins and functions jitted here: Triton's own @jit library functions (tl.max, tl.sum,
-# tl.zeros) are compiled-mode objects when something imported Triton before TRITON_INTERPRET=1 was set
-# (transformers does, through torch), and then cannot run in the interpreter on CPU.
+# Only Triton builtins and tl.reduce here: Triton's own @jit library functions (tl.max, tl.sum, tl.zeros)
+# are compiled-mode objects when something imported Triton before TRITON_INTERPRET=1 was set (transformers
+# does, through torch), and then cannot run in the interpreter on CPU. tl.reduce with the library's own
+# combine functions is what tl.max / tl.sum do, and the interpreter recognises those (numpy, not a
+# Python loop per element); the local ones are a fallback for a Triton without them.
 
 
 @triton.jit
@@ -17,6 +19,10 @@ def _max_combine(a, b):
 @triton.jit
 def _add_combine(a, b):
     return a + b
+
+
+_MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
+_SUM = getattr(tl.standard, "_sum_combine", _add_combine)
 
 
 @triton.jit
@@ -91,11 +97,11 @@ def _exact_attention_kernel(
             else:
                 visible = visible & seen[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         if COMPUTE_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -106,6 +112,8 @@ def _exact_attention_kernel(
     seen_any = l_i > 0.0
     out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
-    o_ptrs = O + b * stride_ob + h * stride_oh + pid_s * stride_os + rows[:, None] * stride_om + dims[None, :] * stride_od
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(L + b * stride_lb + h * stride_lh + pid_s * stride_ls + rows * stride_lm, lse, mask=row_ok)
+    o_ptrs = (O + b * stride_ob + q_head[:, None] * stride_oh + pid_s * stride_os
+              + (rows % q_len)[:, None] * stride_om + dims[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    l_ptrs = L + b * stride_lb + q_head * stride_lh + pid_s * stride_ls + (rows % q_len) * stride_lm
+    tl.store(l_ptrs, lse, mask=row_ok)

@@ -164,6 +164,8 @@ class StepCount:
     layer_launch_ops: dict[str, int] = field(default_factory=dict)
     kernels: dict[str, int] = field(default_factory=dict)
     cuda_sync_warnings: int | None = None
+    per_layer_launches: list[int] = field(default_factory=list)
+    per_layer_syncs: list[int] = field(default_factory=list)
 
     def row(self) -> dict[str, float]:
         return {"ops/layer": self.layer_ops, "launches/layer": self.layer_launches, "syncs/layer": self.layer_syncs,
@@ -173,7 +175,8 @@ class StepCount:
         return (f"per layer: {self.layer_ops:.1f} ops, {self.layer_launches:.1f} launches, {self.layer_syncs:.2f} "
                 f"syncs {dict(self.layer_sync_ops)}; step: {self.step_ops} ops, {self.step_launches} launches, "
                 f"{self.step_syncs} syncs {dict(self.step_sync_ops)}; kernels {dict(self.kernels)}; "
-                f"launches in layers (all layers) {dict(self.layer_launch_ops)}")
+                f"launches in layers (all layers) {dict(self.layer_launch_ops)}; launches of each layer "
+                f"{self.per_layer_launches}")
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -197,11 +200,20 @@ def count_decode_step(model: torch.nn.Module, cache: Any, input_ids: torch.Tenso
     region.counting = False
     original_update = cache.update
 
+    marks: list[tuple[int, int]] = []
+    per_launches: list[int] = []
+    per_syncs: list[int] = []
+
     def update(*args, **kwargs):
         region.counting = True
+        marks.append((region.launches, region.syncs))
         return original_update(*args, **kwargs)
 
     def stop(module, args):
+        if region.counting and marks:
+            launches, syncs = marks.pop()
+            per_launches.append(region.launches - launches)
+            per_syncs.append(region.syncs - syncs)
         region.counting = False
 
     hooks = [layer.self_attn.o_proj.register_forward_pre_hook(stop) for layer in layers]
@@ -234,5 +246,5 @@ def count_decode_step(model: torch.nn.Module, cache: Any, input_ids: torch.Tenso
         step_ops=whole.total_ops, step_launches=whole.launches, step_syncs=whole.syncs,
         layer_sync_ops=dict(region.sync_ops), step_sync_ops=dict(whole.sync_ops),
         layer_launch_ops=dict(region.launch_ops), kernels=dict(whole.kernels),
-        cuda_sync_warnings=sync_warnings,
+        cuda_sync_warnings=sync_warnings, per_layer_launches=per_launches, per_layer_syncs=per_syncs,
     )

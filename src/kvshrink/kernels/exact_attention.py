@@ -63,7 +63,8 @@ def _splits(n: int, programs: int, device: torch.device) -> int:
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                     key_index: torch.Tensor | None = None, query_index: torch.Tensor | None = None,
                     pad_len: torch.Tensor | None = None, key_start: int = 0,
-                    num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_splits: int | None = None,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H_q, q, d] float32, lse [B, H_q, q] float32)`` of ``query`` over ``key/value``.
 
     ``key_index`` (``[n]`` or ``[B, n]`` ints) gives the token index of each key; without it the keys are
@@ -85,11 +86,14 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     per_split = -(-max(n, 1) // splits)
     per_split = -(-per_split // _BLOCK_N) * _BLOCK_N
     splits = max(1, -(-n // per_split)) if n else 1
-    out = torch.empty(b, hkv, splits, rows, d, device=query.device, dtype=torch.float32)
-    lse = torch.empty(b, hkv, splits, rows, device=query.device, dtype=torch.float32)
+    if splits == 1 and out is not None:  # the caller's buffer [B, H_q, q, d] (any strides and float dtype)
+        o_buf, o_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2), out.stride(3))
+    else:
+        o_buf = torch.empty(b, splits, hq, q, d, device=query.device, dtype=torch.float32)
+        o_strides = (o_buf.stride(0), o_buf.stride(2), o_buf.stride(1), o_buf.stride(3), o_buf.stride(4))
+    lse = torch.empty(b, splits, hq, q, device=query.device, dtype=torch.float32)
+    l_strides = (lse.stride(0), lse.stride(2), lse.stride(1), lse.stride(3))
 
-    # fp32 scores when any input is fp32 (exact, no tf32); Triton's interpreter cannot tl.dot bfloat16
-    # (it holds them as uint16), so there bf16 tiles are widened to fp32 first
     compute_fp32 = torch.float32 in (query.dtype, key.dtype, value.dtype) or (
         interpreting() and torch.bfloat16 in (query.dtype, key.dtype, value.dtype))
     kidx = key_index
@@ -100,23 +104,26 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             stride_ib, stride_in = kidx.stride(0), kidx.stride(1)
     else:
         stride_ib = stride_in = 0
-    dummy = out  # a pointer for the arguments a specialisation never reads
+    dummy = lse  # a pointer for the arguments a specialisation never reads
     pad = pad_len.to(query.device) if pad_len is not None else None
     qidx = query_index.to(query.device) if query_index is not None else None
     with counting.kernel_launch("exact_attention"):
         _kernel()[(b * hkv, grid_m, splits)](
-            query, key, value, out, lse,
+            query, key, value, o_buf, lse,
             kidx if kidx is not None else dummy, pad if pad is not None else dummy,
             qidx if qidx is not None else dummy,
-            *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
+            *query.stride(), *key.stride(), *value.stride(), *o_strides, *l_strides,
             stride_ib, stride_in,
             hkv, hq // hkv, rows, q, n, d, per_split, key_start, float(scaling),
             HAS_KIDX=kidx is not None, HAS_PAD=pad is not None, HAS_QIDX=qidx is not None,
             BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, COMPUTE_FP32=compute_fp32,
         )
     if splits == 1:
-        return out.reshape(b, hq, q, d), lse.reshape(b, hq, q)
-    total = torch.logsumexp(lse, dim=2)  # [b, hkv, rows]
-    weights = torch.exp(lse - total.masked_fill(torch.isinf(total), 0.0).unsqueeze(2))
-    merged = (weights.unsqueeze(-1) * out).sum(dim=2)
-    return merged.reshape(b, hq, q, d), total.reshape(b, hq, q)
+        return (o_buf if out is not None else o_buf.reshape(b, hq, q, d)), lse.reshape(b, hq, q)
+    total = torch.logsumexp(lse, dim=1)  # [b, hq, q]
+    weights = torch.exp(lse - total.masked_fill(torch.isinf(total), 0.0).unsqueeze(1))
+    merged = (weights.unsqueeze(-1) * o_buf).sum(dim=1)
+    if out is not None:
+        out.copy_(merged)
+        return out, total
+    return merged, total

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshrink.cache.base import LayerSpec, StepContext
+from kvshrink.cache.base import LayerSpec
 from kvshrink.cache.exact_layer import ExactLayer
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import STORAGE_DTYPES
@@ -27,9 +27,6 @@ class FullOptions:
 class FullLayer(ExactLayer):
     def __init__(self, spec: LayerSpec, options: FullOptions):
         super().__init__(spec, DTYPES[options.dtype])
-
-    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
-        self.store.append(key, value, ctx.new_index)
 
     def crop(self, max_length: int) -> None:
         if max_length < 0:

@@ -12,21 +12,25 @@ import torch
 from kvshrink.cache.base import LayerSpec, StepContext
 from kvshrink.cache.exact_layer import ExactLayer
 from kvshrink.cache.registry import option, register_method
+from kvshrink.kernels.backend import gpu_path
 
 
 def sinks_and_window(index: torch.Tensor, pad_len: torch.Tensor | None, sinks: int, window: int,
-                     seen: int) -> torch.Tensor | None:
+                     seen: int, sync: bool = True) -> torch.Tensor | None:
     """Store positions ``[B, sinks+window]`` to keep, or None while no row needs evicting.
 
     ``index`` is the ``[B, n]`` token index of each stored token (ascending per row). A row evicts once
     it has seen more than ``sinks + window`` real tokens, exactly as it would alone; a row that has
     not keeps its last ``sinks + window`` stored tokens (all its real tokens, padded with padding).
+    ``sync=False`` (the GPU path) never asks the device whether a row evicts: once the store holds more
+    than ``sinks + window`` tokens it always returns positions (only padding is dropped from a row that
+    does not evict yet).
     """
     b, n = index.shape
     budget = sinks + window
     pad = pad_len if pad_len is not None else torch.zeros(b, dtype=torch.long, device=index.device)
     evicting = (seen - pad) > budget
-    if n <= budget or not bool(evicting.any()):
+    if n <= budget or (sync and not bool(evicting.any())):
         return None
     first_real = (index < pad[:, None]).sum(dim=1)  # store position of each row's first real token
     sink_pos = first_real[:, None] + torch.arange(sinks, device=index.device)[None, :]
@@ -48,10 +52,17 @@ class StreamingLayer(ExactLayer):
         super().__init__(spec)
         self.sinks, self.window = options.sinks, options.window
 
-    def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
-        self.store.append(key, value, ctx.new_index)
+    def trim(self, ctx: StepContext) -> None:
+        n, budget = len(self.store), self.sinks + self.window
+        if n <= budget:
+            return
+        if ctx.pad_len is None and gpu_path(self.store.keys):
+            # no padding: every row evicts alike, decided on the host (no index arithmetic, no sync)
+            self.store.keep_ranges([(0, self.sinks), (n - self.window, n)])
+            return
         index = self.store.token_index()
-        index = index if index.dim() == 2 else index.unsqueeze(0).expand(key.shape[0], -1)
-        keep = sinks_and_window(index, ctx.pad_len, self.sinks, self.window, self.seen)
+        index = index if index.dim() == 2 else index.unsqueeze(0).expand(self.store.keys.shape[0], -1)
+        keep = sinks_and_window(index, ctx.pad_len, self.sinks, self.window, self.seen,
+                                sync=not gpu_path(self.store.keys))
         if keep is not None:
             self.store.keep(keep)
