@@ -38,7 +38,7 @@ def _reference(q, k, v, scaling, key_index=None, query_index=None, pad_len=None)
     return part.out, part.lse
 
 
-def _check_kernel(device: str, dtype: torch.dtype, shape, masks: str, splits, tol: float):
+def _check_kernel(device: str, dtype: torch.dtype, shape, masks: str, splits, tol: float, lse_tol: float = 1e-4):
     from kvshrink.kernels.exact_attention import exact_attention
 
     b, hq, hkv, q, n, d = shape
@@ -62,7 +62,8 @@ def _check_kernel(device: str, dtype: torch.dtype, shape, masks: str, splits, to
     assert torch.equal(seen, torch.isfinite(lse)), "rows that see no key must get lse=-inf"
     assert out.dtype == torch.float32 and torch.all(out[~seen] == 0)
     torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
-    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=tol, rtol=tol)
+    # scores are accumulated in fp32 from the stored values in any dtype: the lse matches the fp32 reference closely
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=lse_tol, rtol=lse_tol)
 
 
 @pytest.mark.parametrize("dtype,shape,masks,splits", [
@@ -252,7 +253,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("masks,splits", [("none", None), ("pad", 4), ("causal", None), ("index", 3)])
 def test_exact_kernel_on_cuda(dtype, masks, splits):
     shape = (2, 32, 8, 1 if masks != "causal" else 4, 1000, 128)
-    _check_kernel("cuda", dtype, shape, masks, splits, tol=2e-5 if dtype == torch.float32 else 2e-2)
+    _check_kernel("cuda", dtype, shape, masks, splits, tol=2e-5 if dtype == torch.float32 else 2e-2, lse_tol=1e-3)
 
 
 @pytest.mark.cuda

@@ -67,12 +67,17 @@ def kvshrink_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, v
     return out, None
 
 
+# True during a forward whose past_key_values is a KVShrinkCache itself (not a cache feeding several, like
+# the evaluation's shared prefill, whose attention may read the mask): set by the model hooks.
+_skip_decode_mask = False
+
+
 def kvshrink_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs):
     """The mask function of the "kvshrink" implementation: transformers' SDPA mask, except for a decode
     step (one new token after a past) on the GPU path, which gets None: a kvshrink cache learns each row's
     left padding on its first step and needs no mask after it, and building one costs launches and a host
     sync (``padding_mask.all()`` in transformers' check whether the mask can be skipped)."""
-    if q_length == 1 and kv_length > 1:
+    if q_length == 1 and kv_length > 1 and _skip_decode_mask:
         mask = kwargs.get("attention_mask")
         device = kwargs.get("device", "cpu")
         on_gpu = gpu_path(mask) if isinstance(mask, torch.Tensor) else (
@@ -147,11 +152,15 @@ def _before_forward(model: torch.nn.Module, args: tuple, kwargs: dict, signature
         raise ValueError("kvshrink: empty input (0 tokens); give at least one token")
     for cache in caches:
         cache.expect_input_ids(ids)
+    global _skip_decode_mask
+    _skip_decode_mask = isinstance(bound.get("past_key_values"), KVShrinkCache)
     _use_attention(model, ATTENTION_NAME)
     return None
 
 
 def _after_forward(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
+    global _skip_decode_mask
+    _skip_decode_mask = False
     _use_attention(model, getattr(model, _USER_ATTENTION))
     return None
 
