@@ -81,10 +81,16 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_d = max(16, 1 << (d - 1).bit_length())
     grid_m = -(-rows // block_m)
+    # fp32 scores when any input is fp32 (exact, no tf32); Triton's interpreter cannot tl.dot bfloat16
+    # (it holds them as uint16), so there bf16 tiles are widened to fp32 first
+    compute_fp32 = torch.float32 in (query.dtype, key.dtype, value.dtype) or (
+        interpreting() and torch.bfloat16 in (query.dtype, key.dtype, value.dtype))
+    # fp32 tiles of 64 keys x 128 dims need ~140 KB of shared memory: halve the key block there
+    block_n = 32 if compute_fp32 and block_d >= 128 else _BLOCK_N
     splits = num_splits or _splits(n, b * hkv * grid_m, query.device)
-    splits = max(1, min(splits, max(1, -(-n // _BLOCK_N))))
+    splits = max(1, min(splits, max(1, -(-n // block_n))))
     per_split = -(-max(n, 1) // splits)
-    per_split = -(-per_split // _BLOCK_N) * _BLOCK_N
+    per_split = -(-per_split // block_n) * block_n
     splits = max(1, -(-n // per_split)) if n else 1
     if splits == 1 and out is not None:  # the caller's buffer [B, H_q, q, d] (any strides and float dtype)
         o_buf, o_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2), out.stride(3))
@@ -94,8 +100,6 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     lse = torch.empty(b, splits, hq, q, device=query.device, dtype=torch.float32)
     l_strides = (lse.stride(0), lse.stride(2), lse.stride(1), lse.stride(3))
 
-    compute_fp32 = torch.float32 in (query.dtype, key.dtype, value.dtype) or (
-        interpreting() and torch.bfloat16 in (query.dtype, key.dtype, value.dtype))
     kidx = key_index
     if kidx is not None:
         if kidx.dim() == 1:
@@ -116,7 +120,7 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             stride_ib, stride_in,
             hkv, hq // hkv, rows, q, n, d, per_split, key_start, float(scaling),
             HAS_KIDX=kidx is not None, HAS_PAD=pad is not None, HAS_QIDX=qidx is not None,
-            BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, COMPUTE_FP32=compute_fp32,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, COMPUTE_FP32=compute_fp32,
         )
     if splits == 1:
         return (o_buf if out is not None else o_buf.reshape(b, hq, q, d)), lse.reshape(b, hq, q)
