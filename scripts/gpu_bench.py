@@ -122,6 +122,14 @@ def run_one(model, method: str, options: dict, length: int, steps: int, warmup: 
                     times.append((time.perf_counter() - t) * 1000)
         row["decode_ms_all"] = [round(x, 3) for x in times]
         row["decode_ms_per_token"] = statistics.median(times)
+        try:  # aten ops, launches and host syncs of one more decode step (kvshrink.kernels.counting)
+            from kvshrink.kernels.counting import count_decode_step
+
+            count = count_decode_step(model, cache, nxt, cuda_sync_debug=device.startswith("cuda"), logits_to_keep=1)
+            row["counts"] = {**count.row(), "cuda_sync_warnings": count.cuda_sync_warnings,
+                             "layer_sync_ops": count.layer_sync_ops, "step_sync_ops": count.step_sync_ops}
+        except Exception as exc:  # noqa: BLE001
+            row["counts"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         if method == "dynamic":
             row["nbytes"] = sum(t.numel() * t.element_size() for layer in cache.layers
                                 for t in (layer.keys, layer.values) if t is not None)
@@ -182,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lengths = [int(x) for x in (args.lengths or "8192,32768").split(",")]
         shape = dict(num_hidden_layers=args.layers, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=args.vocab, rope_theta=500000.0,
+                     num_key_value_heads=8, head_dim=128, vocab_size=args.vocab,
                      max_position_embeddings=max(lengths) + 1024)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         steps, warmup = args.steps or 32, args.warmup if args.warmup is not None else 4
@@ -217,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             _write(args.json, found, warnings, device, args.dtype, shape, lengths, steps, warmup, tiny, start, results)
 
     print("\n" + NOTE)
-    print(f"{'tokens':>7} {'method':<10} {'prefill s':>9} {'decode ms/tok':>13} {'MiB held':>10} {'fp16 MiB':>9}  error")
+    print(f"{'tokens':>7} {'method':<10} {'prefill s':>9} {'decode ms/tok':>13} {'MiB held':>10} {'fp16 MiB':>9} "
+          f"{'launches/layer':>15} {'syncs/layer':>12} {'syncs/step':>10}  error")
     for r in results:
         print(_format(r))
     if args.json:
@@ -242,8 +251,11 @@ def _format(r: dict) -> str:
         return format(x, fmt) if x is not None else "-"
 
     mib = lambda b: b / 2**20 if b is not None else None  # noqa: E731
+    c = r.get("counts") or {}
     return (f"{r['tokens']:>7} {r['method']:<10} {num(r['prefill_s'], '9.2f')} {num(r['decode_ms_per_token'], '13.2f')} "
-            f"{num(mib(r['nbytes']), '10.3f')} {num(mib(r.get('fp16_nbytes')), '9.3f')}  {r['error'] or ''}")
+            f"{num(mib(r['nbytes']), '10.3f')} {num(mib(r.get('fp16_nbytes')), '9.3f')} "
+            f"{num(c.get('launches/layer'), '15.1f')} {num(c.get('syncs/layer'), '12.2f')} {num(c.get('syncs/step'), '10d')}"
+            f"  {r['error'] or ''}")
 
 
 def _print_row(r: dict) -> None:
