@@ -39,7 +39,7 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         return x
     if dtype == torch.float16 and x.numel():
         if gpu_path(x):
-            defer_peak(torch.linalg.vector_norm(x.detach(), ord=float("inf")), _FP16_MAX, _OVERFLOW)
+            defer_peak(torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32), _FP16_MAX, _OVERFLOW)
         else:
             peak = float(x.detach().abs().amax())
             if peak > _FP16_MAX:
@@ -69,7 +69,7 @@ def defer_peak(value: torch.Tensor, limit: float, message: str) -> None:
 def defer_nan(x: torch.Tensor, message: str) -> None:
     """`raise_deferred` raises ValueError with ``message`` if ``x`` held a NaN (two launches: the largest
     magnitude, which NaN propagates into, and the running maximum)."""
-    defer_peak(torch.linalg.vector_norm(x.detach(), ord=float("inf")), float("inf"), message)
+    defer_peak(torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32), float("inf"), message)
 
 
 def raise_deferred() -> None:
