@@ -231,6 +231,9 @@ def test_checks_a_decode_step_defers_are_raised():
         with pytest.raises(ValueError, match="float16"):  # a prefill's overflow: raised at its end
             store.to_storage(big, torch.float16)
             store.raise_deferred()
+        for dtype in (torch.float64, torch.bfloat16, torch.float32):  # any source dtype narrows without a sync
+            assert store.to_storage(torch.ones(2, 3, dtype=dtype), torch.float16).dtype == torch.float16
+        store.raise_deferred()
         cache = kvshrink.make_cache("full", model, dtype="float16")
         out = model(input_ids=ids, past_key_values=cache)
         store_of_layer = cache.layers[0].store

@@ -39,7 +39,7 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         return x
     if dtype == torch.float16 and x.numel():
         if gpu_path(x):
-            defer_peak(torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32), _FP16_MAX, _OVERFLOW)
+            defer_peak(_peak(x), _FP16_MAX, _OVERFLOW)
         else:
             peak = float(x.detach().abs().amax())
             if peak > _FP16_MAX:
@@ -57,6 +57,13 @@ DEFERRED_CHECK_EVERY = 64
 _DEFERRED: dict[tuple[str, str], tuple[torch.Tensor, float]] = {}
 
 
+def _peak(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of ``x`` (NaN if it holds one) as a 0-d float32 device tensor, one launch."""
+    if x.dtype == torch.float64:  # vector_norm refuses to narrow its accumulation dtype
+        return torch.linalg.vector_norm(x.detach(), ord=float("inf")).float()
+    return torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32)
+
+
 def defer_peak(value: torch.Tensor, limit: float, message: str) -> None:
     """Keep the running maximum of the 0-d device tensor ``value``; `raise_deferred` raises ValueError
     with ``message`` once it has exceeded ``limit``. Nothing waits for the device here."""
@@ -69,7 +76,7 @@ def defer_peak(value: torch.Tensor, limit: float, message: str) -> None:
 def defer_nan(x: torch.Tensor, message: str) -> None:
     """`raise_deferred` raises ValueError with ``message`` if ``x`` held a NaN (two launches: the largest
     magnitude, which NaN propagates into, and the running maximum)."""
-    defer_peak(torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32), float("inf"), message)
+    defer_peak(_peak(x), float("inf"), message)
 
 
 def raise_deferred() -> None:
