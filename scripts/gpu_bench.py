@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default cuda (cpu with --tiny)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="skip rows started after this many seconds")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--force-gpu-path", action="store_true",
+                        help="take kvshrink's GPU path on CPU too (Triton kernels interpreted: slow; counts as on a GPU)")
     args = parser.parse_args(argv)
     tiny = args.tiny or os.environ.get("KVSHRINK_BENCH_TINY", "") not in ("", "0")
 
@@ -211,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = [m for m in args.methods.split(",") if m]
     results = []
+    forced = None
+    if args.force_gpu_path:
+        from kvshrink.kernels.backend import force_gpu_path
+
+        forced = force_gpu_path()  # held for the rest of this run (a dropped context manager would exit)
+        forced.__enter__()
     for length in lengths:
         for method in methods:
             options = method_options.get(method, {})
@@ -232,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         _write(args.json, found, warnings, device, args.dtype, shape, lengths, steps, warmup, tiny, start, results)
         print(f"wrote {args.json}")
+    if forced is not None:
+        forced.__exit__(None, None, None)
     return 0
 
 
@@ -239,7 +249,9 @@ def _write(path, found, warnings, device, dtype, shape, lengths, steps, warmup, 
     """The JSON report, rewritten after every row (a run cut short by a timeout keeps what it measured)."""
     if not path:
         return
-    report = {"versions": found, "version_warnings": warnings, "note": NOTE, "device": device, "dtype": dtype,
+    from kvshrink.kernels.backend import gpu_path_forced
+
+    report = {"versions": found, "version_warnings": warnings, "gpu_path_forced": gpu_path_forced(), "note": NOTE, "device": device, "dtype": dtype,
               "shape": shape, "lengths": lengths, "steps": steps, "warmup": warmup, "tiny": tiny,
               "elapsed_s": time.perf_counter() - start, "results": results}
     with open(path, "w") as f:
