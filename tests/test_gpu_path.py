@@ -93,6 +93,19 @@ def test_exact_kernel_writes_the_callers_buffer():
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
+def test_exact_kernel_launches_once_or_twice_with_split_keys():
+    """One launch; with the key axis split, one more for the combine, whatever the number of splits."""
+    from kvshrink.kernels.counting import OpCounter
+    from kvshrink.kernels.exact_attention import exact_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g)
+    for splits, launches in ((1, 1), (3, 2)):
+        with OpCounter() as counter:
+            exact_attention(q, k, v, 0.25, pad_len=torch.tensor([7]), num_splits=splits)
+        assert counter.launches == launches and counter.syncs == 0, (counter.launch_ops, counter.kernels)
+
+
 _COMPILE = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
@@ -104,17 +117,24 @@ ptr = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", L="*fp32", KIDX="*i32", P
 sig = {n: "constexpr" if n in const else ptr.get(n, "fp32" if n == "scaling" else "i32") for n in names}
 src = ASTSource(fn=k, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()})
 print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
+from kvshrink.kernels._exact_attention_triton import _combine_splits_kernel as c
+const = dict(BLOCK_S=32, BLOCK_D=128)
+ptr = dict(OP="*fp32", LP="*fp32", O="*bf16", L="*fp32")
+sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in c.arg_names}
+src = ASTSource(fn=c, signature=sig, constexprs={(c.arg_names.index(n),): v for n, v in const.items()})
+print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 """
 
 
 def test_exact_kernel_compiles_for_a_gpu():
-    """The interpreter forgives what the compiler refuses: compile the bf16 kernel for sm_90 (no GPU needed)."""
+    """The interpreter forgives what the compiler refuses: compile the bf16 kernels (attention, combine of
+    the key splits) for sm_90 (no GPU needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT / "src"), TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=240, env=env)
     if proc.returncode and ("ptxas" in proc.stderr or "backend" in proc.stderr.lower()) and "CompilationError" not in proc.stderr:
         pytest.skip(f"no CUDA backend in this Triton: {proc.stderr[-300:]}")
-    assert proc.returncode == 0 and "cubin" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and proc.stdout.count("cubin") == 2, proc.stderr[-3000:]
 
 
 # ---- host syncs and launches of one decode step ---------------------------------------------------------

@@ -117,3 +117,37 @@ def _exact_attention_kernel(
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     l_ptrs = L + b * stride_lb + q_head * stride_lh + pid_s * stride_ls + (rows % q_len) * stride_lm
     tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    OP, LP, O, L,
+    stride_pb, stride_ps, stride_ph, stride_pm, stride_pd,
+    stride_qb, stride_qs, stride_qh, stride_qm,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    n_splits, n_heads, q_len, head_dim,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (row, query head, query): merge the key splits' partials by log-sum-exp."""
+    pid = tl.program_id(0)
+    t = pid % q_len
+    h = (pid // q_len) % n_heads
+    b = pid // (q_len * n_heads)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < n_splits
+    d_ok = d < head_dim
+    lse = tl.load(LP + b * stride_qb + s * stride_qs + h * stride_qh + t * stride_qm, mask=s_ok, other=float("-inf"))
+    m = tl.reduce(lse, 0, _MAX)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # a split that saw nothing (lse -inf) weighs 0
+    total = tl.reduce(w, 0, _SUM)
+    o = tl.load(OP + b * stride_pb + s[:, None] * stride_ps + h * stride_ph + t * stride_pm + d[None, :] * stride_pd,
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = tl.reduce(o * w[:, None], 0, _SUM)
+    seen = total > 0.0
+    out = tl.where(seen, acc / tl.where(seen, total, 1.0), 0.0)
+    lse_all = tl.where(seen, m_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(O + b * stride_ob + h * stride_oh + t * stride_om + d * stride_od, out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(L + b * stride_lb + h * stride_lh + t * stride_lm, lse_all)

@@ -14,7 +14,8 @@ Token indices of the keys are ``key_start + t`` (a contiguous store: nothing is 
 ``key_index`` (``[n]`` or ``[B, n]``). GQA: one program handles the ``G`` query heads of a KV head
 together (queries grouped as in ``group_queries``), so every key is read once per program and never
 repeated per query head. The key axis is split over ``num_splits`` programs when one row of programs
-would leave the GPU idle (decode: few queries, many keys); the splits are combined by log-sum-exp.
+would leave the GPU idle (decode: few queries, many keys); a second small kernel combines the splits by
+log-sum-exp (two launches in all, whatever the number of splits).
 
 No host synchronisation: every size is a host-known shape, every mask is computed on the device.
 """
@@ -36,9 +37,9 @@ _BLOCK_N = 64
 @functools.lru_cache(maxsize=None)
 def _kernel():
     triton()  # imports Triton (in its interpreter without a GPU) or raises ImportError naming the extra
-    from kvshrink.kernels._exact_attention_triton import _exact_attention_kernel
+    from kvshrink.kernels._exact_attention_triton import _combine_splits_kernel, _exact_attention_kernel
 
-    return _exact_attention_kernel
+    return _exact_attention_kernel, _combine_splits_kernel
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -112,7 +113,7 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     pad = pad_len.to(query.device) if pad_len is not None else None
     qidx = query_index.to(query.device) if query_index is not None else None
     with counting.kernel_launch("exact_attention"):
-        _kernel()[(b * hkv, grid_m, splits)](
+        _kernel()[0][(b * hkv, grid_m, splits)](
             query, key, value, o_buf, lse,
             kidx if kidx is not None else dummy, pad if pad is not None else dummy,
             qidx if qidx is not None else dummy,
@@ -124,10 +125,13 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         )
     if splits == 1:
         return (o_buf if out is not None else o_buf.reshape(b, hq, q, d)), lse.reshape(b, hq, q)
-    total = torch.logsumexp(lse, dim=1)  # [b, hq, q]
-    weights = torch.exp(lse - total.masked_fill(torch.isinf(total), 0.0).unsqueeze(1))
-    merged = (weights.unsqueeze(-1) * o_buf).sum(dim=1)
-    if out is not None:
-        out.copy_(merged)
-        return out, total
-    return merged, total
+    final = out if out is not None else torch.empty(b, hq, q, d, device=query.device, dtype=torch.float32)
+    final_lse = torch.empty(b, hq, q, device=query.device, dtype=torch.float32)
+    with counting.kernel_launch("exact_attention_combine"):
+        _kernel()[1][(b * hq * q,)](
+            o_buf, lse, final, final_lse,
+            *o_buf.stride(), *lse.stride(), *final.stride(), *final_lse.stride(),
+            splits, hq, q, d,
+            BLOCK_S=max(2, 1 << (splits - 1).bit_length()), BLOCK_D=block_d,
+        )
+    return final, final_lse
