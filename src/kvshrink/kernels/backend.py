@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -22,6 +23,17 @@ __all__ = ["gpu_path", "force_gpu_path", "gpu_path_forced", "triton", "triton_av
 _forced = os.environ.get("KVSHRINK_GPU_PATH", "") not in ("", "0")
 _triton: ModuleType | None = None
 _triton_error: str | None = None
+
+
+def _choose_interpreter() -> None:
+    """Without a GPU a Triton kernel can only run in the interpreter, which must be chosen before Triton is
+    imported: Triton decorates its own library functions (``tl.max``, ``tl.sum``...) at import, and
+    transformers imports Triton when it is installed. ``kvshrink/__init__`` imports this module first."""
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_choose_interpreter()
 
 
 def gpu_path_forced() -> bool:
@@ -49,9 +61,11 @@ def _load_triton() -> None:
     global _triton, _triton_error
     if _triton is not None or _triton_error is not None:
         return
-    if not torch.cuda.is_available():
-        # without a GPU a Triton kernel can only run in the interpreter, which must be chosen before import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    _choose_interpreter()
+    if not torch.cuda.is_available() and not interpreting():
+        _triton_error = ("Triton was imported before kvshrink without TRITON_INTERPRET=1 and there is no GPU: "
+                         "its kernels cannot run (import kvshrink first, or set TRITON_INTERPRET=1)")
+        return
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
