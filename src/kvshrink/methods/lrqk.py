@@ -37,6 +37,7 @@ from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import lowrank_fused
+from kvshrink.kernels.backend import gpu_path
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -60,6 +61,7 @@ from kvshrink.methods.lrqk_tiers import (
     SLOW_TIERS,
     SlotTier,
     SlowTier,
+    deferred_to_storage,
     make_slow_tier,
     state_tensors,
     warm_up_fill_planner,
@@ -190,6 +192,7 @@ class LRQKLayer(CacheLayer):
         self._query: torch.Tensor | None = None
         self._k_hat: torch.Tensor | None = None
         self._prefetched = None
+        self._overflow: torch.Tensor | None = None    # GPU path: deferred float16 range checks
         self.counters = new_counters()
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
@@ -229,12 +232,65 @@ class LRQKLayer(CacheLayer):
         self._query = query
         self._update_factor_vectors(query)
         candidates = ctx.past_len - min(self.window, ctx.past_len)
-        if candidates > 0:
-            self._select_and_fill(query, ctx, candidates)
-        out = self._resident_attention(query, key, value, ctx, slots=candidates > 0)
+        if self._on_gpu_path(query):
+            out = self._gpu_decode(query, key, value, ctx, candidates)
+        else:
+            if candidates > 0:
+                self._select_and_fill(query, ctx, candidates)
+            out = self._resident_attention(query, key, value, ctx, slots=candidates > 0)
         self._pending = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    # ---- the GPU path ----------------------------------------------------------------------------
+    def _on_gpu_path(self, query: torch.Tensor) -> bool:
+        """The fast decode step on the GPU path (CUDA tensors, or forced): Triton kernels, the slot
+        bookkeeping in tensor ops, one host synchronisation (the miss transfer). Background prefetch
+        keeps the torch path (its thread needs the ranking on the host)."""
+        return self.fast and not self.prefetch_on and gpu_path(query)
+
+    def _gpu_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
+                    candidates: int) -> torch.Tensor:
+        """Proxy mass in Triton, top-k on the device, the fill (``SlotTier.select_device``), then one
+        Triton attention reading the selected slots by index, the window and the new token."""
+        from kvshrink.kernels import lrqk_proxy
+
+        b, hq, _, d = query.shape
+        hkv = self.info.num_kv_heads
+        rows, device = b * hkv, self.slots.keys.device
+        if getattr(self, "_overflow", None) is None:   # (a layer saved before the GPU path lacks it)
+            self._overflow = torch.zeros((), dtype=torch.bool, device=device)
+        slot = selected = None
+        if candidates > 0:
+            if self.exact_selection:      # diagnostic: reads every key from the slow tier (synchronises)
+                selected, top_mass, _ = self._select(ctx, candidates)
+            else:
+                f, cap = self.a_k.shape[1], self.a_k.shape[2]
+                first = ctx.pad_len.to(device).repeat_interleave(f) if ctx.pad_len is not None else None
+                mass = lrqk_proxy.proxy_mass(self._q_hat.reshape(b * f, -1, self.rank),
+                                             self.a_k.view(b * f, cap, self.rank), candidates, ctx.scaling, first)
+                if self.copies > 1:
+                    mass = mass.view(rows, self.copies, candidates).sum(1)
+                top_mass, selected = torch.topk(mass, min(self.top_k, candidates), dim=-1, sorted=False)
+            report, slot, overflow = self.slots.select_device(selected, self.slow, top_mass, self._overflow)
+            record_fill(self.counters, self.step_log, report)
+            if overflow:
+                raise ValueError(
+                    "kvshrink: a key, value or key factor is beyond float16's range (+-65504); stored as float16 "
+                    "it became inf. Store exact tokens (slot_dtype) and factors (factor_dtype) in the model's "
+                    "dtype for this model.")
+            if self.measure_recall:
+                self._measure_recall(query, ctx, candidates, selected)
+        n_win = self.win_k.shape[2] if self.win_k is not None else 0
+        first = ctx.pad_len.to(device).repeat_interleave(hkv) if ctx.pad_len is not None else None
+        tail_k = self.win_k.reshape(rows, n_win, d) if n_win else None
+        tail_v = self.win_v.reshape(rows, n_win, d) if n_win else None
+        out, _ = lrqk_proxy.gathered_attention(
+            query.reshape(rows, hq // hkv, d).to(device), self.slots.keys, self.slots.values, slot,
+            selected.to(device) if selected is not None else None, tail_k, tail_v,
+            key.reshape(rows, d).to(device), value.reshape(rows, d).to(device), ctx.past_len - n_win,
+            ctx.scaling, first)
+        return out.reshape(b, hq, 1, d).to(query.device)
 
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         self._query = query
@@ -298,13 +354,15 @@ class LRQKLayer(CacheLayer):
         q = self._factor_queries(query).reshape(b * f, -1, d).float()
         k = self._factor_keys(self._pending[0]).reshape(b * f, d).float()
         lhs, rhs = self._resident_sums(q, b, f) if self.fit_resident else (None, None)
-        if lowrank_fused.available() and self.b_q.device.type == "cpu":
+        gpu = self._on_gpu_path(query)
+        if lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu:
             if lhs is None:
                 lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
             q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.decode_step(q, k, self.b_q, self.b_k, lhs, rhs,
                                                                          self.lam, self.update_bases)
         else:
-            q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam)
+            q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam,
+                                                    check_errors=not gpu)
             if self.update_bases:
                 self.b_q = line_search_basis_step(self.b_q, q_hat, q)
                 self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
@@ -471,11 +529,14 @@ class LRQKLayer(CacheLayer):
     # ---- storing -------------------------------------------------------------------------------------
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         self._ensure_tiers(key)
-        self.slow.append(key, value)
+        gpu = ctx.q_len == 1 and self._query is not None and self._on_gpu_path(self._query)
+        self.slow.append(key, value, non_blocking=gpu)
         self._update_window(key, value)
         if ctx.q_len > 1 or self.b_k is None:
             self._accumulate_grams(self._query, key, ctx)
             self._refit()
+        elif gpu and getattr(self, "_overflow", None) is not None:   # range checked with the next miss transfer
+            self._append_factors(deferred_to_storage(self._k_hat, self.factor_dtype, self._overflow).unsqueeze(2))
         else:
             self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
         self._query = None
