@@ -63,9 +63,13 @@ def _load_triton() -> None:
         return
     _choose_interpreter()
     if not torch.cuda.is_available() and not interpreting():
-        _triton_error = ("Triton was imported before kvshrink without TRITON_INTERPRET=1 and there is no GPU: "
-                         "its kernels cannot run (import kvshrink first, or set TRITON_INTERPRET=1)")
-        return
+        # Something imported Triton before kvshrink (transformers does): its library functions were made
+        # for compiled kernels, which cannot run here. Import its Python modules again under the
+        # interpreter (the compiled extension, triton._C, is kept: it cannot be loaded twice).
+        os.environ["TRITON_INTERPRET"] = "1"
+        for name in [m for m in sys.modules if (m == "triton" or m.startswith("triton.")) and
+                     not m.startswith("triton._C")]:
+            del sys.modules[name]
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
