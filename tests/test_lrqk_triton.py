@@ -247,6 +247,7 @@ def test_gpu_path_on_cuda_bf16(policy, monkeypatch):
     for a, b in zip(one_row_layers(ref.layers), one_row_layers(gpu.layers)):
         for want, got in zip(_selected(a), _selected(b)):
             assert len(set(want) ^ set(got)) <= 2                # bf16 rounding may swap a near tie
-    ops, transfers, layers, syncs = _decode_step_syncs(monkeypatch, gpu=True, model=model, device="cuda", **opts)
+    ops, transfers, layers, syncs = _decode_step_syncs(monkeypatch, gpu=True, model=model, device="cuda",
+                                                       policy=policy)
     assert sum(ops.values()) == 0, ops
     assert transfers == layers and len(syncs) <= layers, syncs

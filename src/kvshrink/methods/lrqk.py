@@ -19,6 +19,15 @@ over slots, window and the new token; the per-token factor update and the slot b
 kernels when ``kvshrink[fast]`` is installed); ``kernel="reference"`` is the plain torch path, the
 oracle of ``tests/test_lrqk_fast.py``. Both give the same answers up to float rounding.
 
+On the GPU path (``kernels.backend.gpu_path``: CUDA tensors, or forced on CPU with Triton's interpreter)
+the fast decode step runs ``kernels/lrqk_proxy.py``'s Triton kernels (proxy scores to per-KV-head mass,
+written once, then ``torch.topk`` on the device; an attention that reads the selected slots by index, the
+window and the new token) and ``SlotTier.select_device`` (the slot bookkeeping in tensor ops); its one
+host synchronisation per layer is the miss transfer (which rows to fetch from the slow tier), which also
+carries the deferred float16 range checks. The slow tier's rows move through pinned buffers with
+non-blocking copies. ``prefetch=True`` keeps the torch path (its background thread ranks on the host).
+Oracle: ``tests/test_lrqk_triton.py``.
+
 When ``top_k`` covers every token older than the window the selection is all of them, so the output
 equals ``full`` (up to float rounding of the log-sum-exp merge).
 """
