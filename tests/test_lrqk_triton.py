@@ -27,6 +27,15 @@ if not triton_available():  # pragma: no cover - Triton imported before kvshrink
 from kvshrink.kernels import lrqk_proxy  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread (on a shared, busy machine, more threads cost ~30x here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---- kernels against torch ------------------------------------------------------------------------------
 @pytest.mark.parametrize("groups,rank,dtype", [(1, 16, torch.float16), (4, 32, torch.float16), (8, 12, torch.float32)])
 def test_proxy_mass_equals_torch(groups, rank, dtype):
@@ -74,11 +83,18 @@ def _selected(layer) -> list[list[int]]:
     return [sorted(slots.token[r][slots.chosen[r]].tolist()) for r in range(slots.rows)]
 
 
-CASES = [  # (policy, GQA ratio, head size, slot dtype, extra options)
-    ("set", 4, 64, "float16", {}),
+CASES = [  # (policy, GQA ratio, head size, slot dtype, extra options): every policy with every GQA ratio,
+    # both head sizes and both slot dtypes spread over them, then option variants
+    ("set", 1, 64, "float16", {}),
+    ("set", 4, 128, "bfloat16", {}),
+    ("set", 8, 64, "bfloat16", {}),
     ("lru", 1, 128, "bfloat16", {}),
-    ("attention", 8, 64, "bfloat16", {}),
-    ("set", 8, 128, "float16", {"factor_heads": "query"}),
+    ("lru", 4, 64, "float16", {}),
+    ("lru", 8, 128, "float16", {}),
+    ("attention", 1, 64, "bfloat16", {}),
+    ("attention", 4, 128, "float16", {}),
+    ("attention", 8, 128, "bfloat16", {}),
+    ("set", 4, 64, "float16", {"factor_heads": "query"}),
     ("lru", 4, 64, "float16", {"window": 0}),
     ("attention", 1, 64, "float16", {"fit_resident": False, "extra_slots": 3}),
 ]
@@ -91,7 +107,8 @@ def test_gpu_path_equals_reference(policy, gqa, head_dim, slot_dtype, extra):
     ids, mask = left_pad(prompts([26, 19], seed=gqa))      # a left-padded batch (rows split by the cache)
     # rank: below the prompts' lengths (d=128's default, 32, is not): a factorization fitted on fewer tokens
     # than its rank is ill-posed and its ranking follows float rounding (the CPU paths disagree there too)
-    opts = {"top_k": 6, "window": 3, "policy": policy, "slot_dtype": slot_dtype, "rank": 12, **extra}
+    # (one iteration of the prefill fit: the same for both paths, and most of this test's time at d=128)
+    opts = {"top_k": 6, "window": 3, "policy": policy, "slot_dtype": slot_dtype, "rank": 12, "iters": 1, **extra}
     ref = kvshrink.make_cache("lrqk", model, kernel="reference", **opts)
     gpu = kvshrink.make_cache("lrqk", model, kernel="fast", **opts)
     ref_seq, ref_logits = greedy(model, ids, mask, ref, new_tokens=4)
@@ -251,3 +268,48 @@ def test_gpu_path_on_cuda_bf16(policy, monkeypatch):
                                                        policy=policy)
     assert sum(ops.values()) == 0, ops
     assert transfers == layers and len(syncs) <= layers, syncs
+
+
+_COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvshrink.kernels import lrqk_proxy as k
+P, I = "*fp32", "i32"
+proxy = {"q_ptr": P, "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, "R": I, "a_row_stride": I,
+         "a_tok_stride": I, "scale": "fp32", "HAS_PAD": "constexpr", "BLOCK_G": "constexpr",
+         "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
+kernels = [
+    (k._proxy_stats, {**proxy, "m_ptr": P, "l_ptr": P, "n_blocks": I}, {"BLOCK_R": 32, "BLOCK_N": 64}),
+    (k._proxy_mass_kernel, {**proxy, "lse_ptr": P, "mass_ptr": P}, {"BLOCK_R": 32, "BLOCK_N": 64}),
+    (k._gathered_attention_kernel,
+     {**{n: "*bf16" for n in ("q_ptr", "sk_ptr", "sv_ptr", "tk_ptr", "tv_ptr", "nk_ptr", "nv_ptr")},
+      "sidx_ptr": "*i64", "stok_ptr": "*i64", "pad_ptr": "*i64", "out_ptr": P, "lse_ptr": P,
+      **{n: I for n in ("G", "D", "S", "n_sel", "n_tail", "tail_start")}, "scale": "fp32",
+      "HAS_PAD": "constexpr", "BLOCK_G": "constexpr", "BLOCK_D": "constexpr", "BLOCK_N": "constexpr"},
+     {"BLOCK_D": 128, "BLOCK_N": 32}),
+]
+for fn, sig, consts in kernels:
+    sig = {n: sig[n] for n in fn.arg_names}         # in the kernel's parameter order
+    src = ASTSource(fn=fn, signature=sig, constexprs={"HAS_PAD": True, "BLOCK_G": 16, **consts})
+    assert "ld.global" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels themselves")
+def test_kernels_compile_for_a_gpu(tmp_path):
+    """The kernels compile to PTX for sm_90 (the interpreter does not check what the compiler does), in a
+    process with Triton's compiler (``TRITON_INTERPRET=0``; nothing is launched)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    if "ptxas" in done.stderr and "not found" in done.stderr:   # pragma: no cover - a Triton without ptxas
+        pytest.skip("Triton's ptxas is missing")
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -62,10 +62,12 @@ def _load_triton() -> None:
     if _triton is not None or _triton_error is not None:
         return
     _choose_interpreter()
-    if not torch.cuda.is_available() and not interpreting():
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         # Something imported Triton before kvshrink (transformers does): its library functions were made
         # for compiled kernels, which cannot run here. Import its Python modules again under the
         # interpreter (the compiled extension, triton._C, is kept: it cannot be loaded twice).
+        # An explicit TRITON_INTERPRET=0 is kept (kernels then compile, e.g. for another machine, but
+        # cannot run here).
         os.environ["TRITON_INTERPRET"] = "1"
         for name in [m for m in sys.modules if (m == "triton" or m.startswith("triton.")) and
                      not m.startswith("triton._C")]:
