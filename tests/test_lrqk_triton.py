@@ -126,6 +126,29 @@ def test_gpu_path_equals_reference(policy, gqa, head_dim, slot_dtype, extra):
         assert torch.equal(a.slots.token.sort(1).values, b.slots.token.sort(1).values)   # the same residents
 
 
+def test_gpu_path_disk_tier_and_copy(tmp_path):
+    """The GPU path with the slow tier on disk (its fills checked against the rows' checksums) equals the
+    reference; a copy taken after GPU-path steps decodes on as the original."""
+    import copy
+
+    model = _model(4, 64)
+    ids, mask = left_pad(prompts([26, 19]))
+    opts = {"top_k": 6, "window": 3, "rank": 12, "iters": 1, "slow_tier": "disk", "disk_folder": str(tmp_path)}
+    ref = kvshrink.make_cache("lrqk", model, kernel="reference", **opts)
+    gpu = kvshrink.make_cache("lrqk", model, kernel="fast", **opts)
+    ref_seq, ref_logits = greedy(model, ids, mask, ref, new_tokens=4)
+    with force_gpu_path():
+        seq, logits = greedy(model, ids, mask, gpu, new_tokens=4)
+        assert torch.equal(seq, ref_seq)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+        assert gpu.stats()["bytes_moved"] == ref.stats()["bytes_moved"]
+        twin = copy.deepcopy(gpu)
+        mask2 = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
+        a = greedy(model, seq, mask2, gpu, new_tokens=3)
+        b = greedy(model, seq, mask2, twin, new_tokens=3)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 # ---- host synchronisations --------------------------------------------------------------------------------
 # Ops whose result the host must read (or whose output size depends on data): a host synchronisation on CUDA.
 _SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select", "aten::equal",
