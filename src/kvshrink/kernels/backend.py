@@ -25,15 +25,20 @@ _triton: ModuleType | None = None
 _triton_error: str | None = None
 
 
-def _choose_interpreter() -> None:
+def _choose_interpreter(probe_device: bool = True) -> None:
     """Without a GPU a Triton kernel can only run in the interpreter, which must be chosen before Triton is
     imported: Triton decorates its own library functions (``tl.max``, ``tl.sum``...) at import, and
-    transformers imports Triton when it is installed. ``kvshrink/__init__`` imports this module first."""
-    if "triton" not in sys.modules and not torch.cuda.is_available():
+    transformers imports Triton when it is installed. ``kvshrink/__init__`` imports this module first;
+    at import only a CPU build of torch is recognised (``probe_device=False``: no CUDA initialisation,
+    which would stop forked workers from using CUDA), the device itself is asked on first use."""
+    if "triton" in sys.modules:
+        return
+    cpu_build = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    if cpu_build or (probe_device and not torch.cuda.is_available()):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-_choose_interpreter()
+_choose_interpreter(probe_device=False)
 
 
 def gpu_path_forced() -> bool:
