@@ -61,9 +61,11 @@ def test_gathered_attention_equals_torch(groups, dim, dtype):
     token = torch.randint(0, 100, (rows, k), generator=g)
     tk, tv = (torch.randn(rows, n_tail, dim, generator=g).to(dtype) for _ in range(2))
     nk, nv = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g)
-    for first in (None, torch.tensor([0, 50, 104])):    # row 2: only the new token is visible
+    for first, splits in ((None, None), (torch.tensor([0, 50, 104]), 1), (torch.tensor([0, 50, 104]), 3)):
+        # row 2: only the new token is visible; splits: programs per row over the slots (merged partials)
         for tail in ((tk, tv), (None, None)):
-            got = lrqk_proxy.gathered_attention(q, sk, sv, index, token, *tail, nk, nv, 100, dim ** -0.5, first)
+            got = lrqk_proxy.gathered_attention(q, sk, sv, index, token, *tail, nk, nv, 100, dim ** -0.5, first,
+                                                block_n=16, splits=splits)
             want = lrqk_proxy.gathered_attention_torch(q, sk, sv, index, token, *tail, nk, nv, 100, dim ** -0.5,
                                                        first)
             torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
@@ -294,9 +296,17 @@ def test_gpu_path_on_cuda_bf16(policy, monkeypatch):
 
 
 _COMPILE_SCRIPT = r"""
+import importlib.util, os, sys, types
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+# kvshrink.kernels alone: the kvshrink package would import transformers (seconds; nothing used here)
+spec = importlib.util.find_spec("kvshrink")
+root = os.path.dirname(spec.origin)
+for name, path in (("kvshrink", root), ("kvshrink.kernels", os.path.join(root, "kernels"))):
+    pkg = types.ModuleType(name)
+    pkg.__path__ = [path]
+    sys.modules[name] = pkg
 from kvshrink.kernels import lrqk_proxy as k
 P, I = "*fp32", "i32"
 proxy = {"q_ptr": P, "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, "R": I, "a_row_stride": I,
@@ -307,10 +317,11 @@ kernels = [
     (k._proxy_mass_kernel, {**proxy, "lse_ptr": P, "mass_ptr": P}, {"BLOCK_R": 32, "BLOCK_N": 64}),
     (k._gathered_attention_kernel,
      {**{n: "*bf16" for n in ("q_ptr", "sk_ptr", "sv_ptr", "tk_ptr", "tv_ptr", "nk_ptr", "nv_ptr")},
-      "sidx_ptr": "*i64", "stok_ptr": "*i64", "pad_ptr": "*i64", "out_ptr": P, "lse_ptr": P,
-      **{n: I for n in ("G", "D", "S", "n_sel", "n_tail", "tail_start")}, "scale": "fp32",
-      "HAS_PAD": "constexpr", "BLOCK_G": "constexpr", "BLOCK_D": "constexpr", "BLOCK_N": "constexpr"},
-     {"BLOCK_D": 128, "BLOCK_N": 32}),
+      "sidx_ptr": "*i64", "stok_ptr": "*i64", "pad_ptr": "*i64", "out_ptr": P, "lse_ptr": P, "acc_ptr": P,
+      "ml_ptr": P, **{n: I for n in ("G", "D", "S", "n_sel", "n_tail", "tail_start", "split_len")},
+      "scale": "fp32", "HAS_PAD": "constexpr", "SPLIT": "constexpr", "BLOCK_G": "constexpr",
+      "BLOCK_D": "constexpr", "BLOCK_N": "constexpr"},
+     {"BLOCK_D": 128, "BLOCK_N": 32, "SPLIT": True}),
 ]
 for fn, sig, consts in kernels:
     sig = {n: sig[n] for n in fn.arg_names}         # in the kernel's parameter order

@@ -100,10 +100,14 @@ def _attend_block(acc, m_i, l_i, q, k, v, valid, scale):
 
 @triton.jit
 def _gathered_attention_kernel(q_ptr, sk_ptr, sv_ptr, sidx_ptr, stok_ptr, tk_ptr, tv_ptr, nk_ptr, nv_ptr,
-                              pad_ptr, out_ptr, lse_ptr, G, D, S, n_sel, n_tail, tail_start, scale,
-                              HAS_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_N: tl.constexpr):
+                               pad_ptr, out_ptr, lse_ptr, acc_ptr, ml_ptr, G, D, S, n_sel, n_tail, tail_start,
+                               split_len, scale, HAS_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row, split): the selected slots ``split*split_len ..`` of the row; split 0 also the tail
+    and the new token. One split: the normalised output and the log-sum-exp; several: each split's
+    unnormalised sum, max and sum of exponentials (``gathered_attention`` merges them)."""
     row = tl.program_id(0)
+    sp = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -116,9 +120,11 @@ def _gathered_attention_kernel(q_ptr, sk_ptr, sv_ptr, sidx_ptr, stok_ptr, tk_ptr
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     # (1) the selected slots, read by index
-    for start in range(0, n_sel, BLOCK_N):
+    lo = sp * split_len
+    hi = tl.minimum(n_sel, lo + split_len)
+    for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        jm = j < n_sel
+        jm = j < hi
         slot = tl.load(sidx_ptr + row * n_sel + j, mask=jm, other=0)
         tok = tl.load(stok_ptr + row * n_sel + j, mask=jm, other=-1)
         off = (row * S + slot)[:, None] * D + d[None, :]
@@ -126,27 +132,34 @@ def _gathered_attention_kernel(q_ptr, sk_ptr, sv_ptr, sidx_ptr, stok_ptr, tk_ptr
         k = tl.load(sk_ptr + off, mask=km, other=0.0).to(tl.float32)
         v = tl.load(sv_ptr + off, mask=km, other=0.0).to(tl.float32)
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, jm & (tok >= first), scale)
-    # (2) the contiguous tail (the window): token index tail_start + j
-    for start in range(0, n_tail, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        jm = j < n_tail
-        off = (row * n_tail + j)[:, None] * D + d[None, :]
+    if sp == 0:
+        # (2) the contiguous tail (the window): token index tail_start + j
+        for start in range(0, n_tail, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jm = j < n_tail
+            off = (row * n_tail + j)[:, None] * D + d[None, :]
+            km = jm[:, None] & dmask[None, :]
+            k = tl.load(tk_ptr + off, mask=km, other=0.0).to(tl.float32)
+            v = tl.load(tv_ptr + off, mask=km, other=0.0).to(tl.float32)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, jm & (tail_start + j >= first), scale)
+        # (3) the new token (always visible: it follows the prompt's left padding)
+        j = tl.arange(0, BLOCK_N)
+        jm = j < 1
+        off = row * D + (j * 0)[:, None] * D + d[None, :]
         km = jm[:, None] & dmask[None, :]
-        k = tl.load(tk_ptr + off, mask=km, other=0.0).to(tl.float32)
-        v = tl.load(tv_ptr + off, mask=km, other=0.0).to(tl.float32)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, jm & (tail_start + j >= first), scale)
-    # (3) the new token (always visible: it follows the prompt's left padding)
-    j = tl.arange(0, BLOCK_N)
-    jm = j < 1
-    off = row * D + (j * 0)[:, None] * D + d[None, :]
-    km = jm[:, None] & dmask[None, :]
-    k = tl.load(nk_ptr + off, mask=km, other=0.0).to(tl.float32)
-    v = tl.load(nv_ptr + off, mask=km, other=0.0).to(tl.float32)
-    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, jm, scale)
-    out = acc / l_i[:, None]
+        k = tl.load(nk_ptr + off, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(nv_ptr + off, mask=km, other=0.0).to(tl.float32)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, jm, scale)
     gm = g < G
-    tl.store(out_ptr + row * G * D + g[:, None] * D + d[None, :], out, mask=gm[:, None] & dmask[None, :])
-    tl.store(lse_ptr + row * G + g, m_i + tl.log(l_i), mask=gm)
+    if SPLIT:
+        part = row * tl.num_programs(1) + sp
+        tl.store(acc_ptr + (part * G + g[:, None]) * D + d[None, :], acc, mask=gm[:, None] & dmask[None, :])
+        tl.store(ml_ptr + (part * 2) * G + g, m_i, mask=gm)
+        tl.store(ml_ptr + (part * 2 + 1) * G + g, l_i, mask=gm)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + row * G * D + g[:, None] * D + d[None, :], out, mask=gm[:, None] & dmask[None, :])
+        tl.store(lse_ptr + row * G + g, m_i + tl.log(l_i), mask=gm)
 
 
 def _get() -> dict:
@@ -198,11 +211,16 @@ def proxy_mass_torch(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, sc
 def gathered_attention(query: torch.Tensor, slot_k: torch.Tensor, slot_v: torch.Tensor, slot_index: torch.Tensor,
                        slot_token: torch.Tensor, tail_k: torch.Tensor | None, tail_v: torch.Tensor | None,
                        new_k: torch.Tensor, new_v: torch.Tensor, tail_start: int, scaling: float,
-                       first: torch.Tensor | None = None, block_n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                       first: torch.Tensor | None = None, block_n: int = 32,
+                       splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query [rows, G, d]`` over the slots ``slot_index [rows, k]`` of ``slot_k/slot_v
     [rows, S, d]`` (holding tokens ``slot_token [rows, k]``), the tail ``[rows, n, d]`` (tokens
     ``tail_start..``) and the new token ``[rows, d]``; tokens before ``first [rows]`` are hidden.
-    Returns ``(out [rows, G, d], lse [rows, G])`` float32."""
+    Returns ``(out [rows, G, d], lse [rows, G])`` float32.
+
+    ``splits``: programs per row over the selected slots (split-K, for few rows and many slots: a decode
+    step of one sequence has only B*H_kv rows); their partial sums are merged here. Default: enough to
+    give the device ~128 programs, at least 64 slots each."""
     kern = _get()
     rows, groups, dim = query.shape
     q = query.contiguous()
@@ -218,13 +236,28 @@ def gathered_attention(query: torch.Tensor, slot_k: torch.Tensor, slot_v: torch.
     else:
         tk, tv = new_k, new_v
     nk, nv = new_k.reshape(rows, dim).contiguous(), new_v.reshape(rows, dim).contiguous()
+    if splits is None:
+        splits = max(1, min(128 // max(rows, 1), -(-n_sel // 64)))
+    split_len = -(-max(n_sel, 1) // max(1, splits))
+    split_len = -(-split_len // block_n) * block_n
+    splits = max(1, -(-n_sel // split_len))
     out = torch.empty(rows, groups, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, groups, dtype=torch.float32, device=q.device)
+    acc = torch.empty(rows, splits, groups, dim, dtype=torch.float32, device=q.device) if splits > 1 else out
+    ml = torch.empty(rows, splits, 2, groups, dtype=torch.float32, device=q.device) if splits > 1 else lse
     has_pad = first is not None
     pad = first.to(q.device, torch.int64).contiguous() if has_pad else sidx
-    kern["attention"][(rows,)](q, slot_k, slot_v, sidx, stok, tk, tv, nk, nv, pad, out, lse, groups, dim,
-                               slot_k.shape[1], n_sel, n_tail, int(tail_start), float(scaling), HAS_PAD=has_pad,
-                               BLOCK_G=_pow2(groups), BLOCK_D=_pow2(dim), BLOCK_N=block_n)
+    kern["attention"][(rows, splits)](q, slot_k, slot_v, sidx, stok, tk, tv, nk, nv, pad, out, lse, acc, ml, groups,
+                                      dim, slot_k.shape[1], n_sel, n_tail, int(tail_start), split_len, float(scaling),
+                                      HAS_PAD=has_pad, SPLIT=splits > 1, BLOCK_G=_pow2(groups),
+                                      BLOCK_D=_pow2(dim), BLOCK_N=block_n)
+    if splits > 1:   # merge the splits' partial softmax sums (split 0 always holds the new token: m finite)
+        m, l_sum = ml[:, :, 0], ml[:, :, 1]                                # [rows, splits, G]
+        top = m.amax(dim=1, keepdim=True)
+        w = torch.exp(m - top)                                             # 0 for a split with nothing visible
+        total = (w * l_sum).sum(1)
+        out = (w.unsqueeze(-1) * acc).sum(1) / total.unsqueeze(-1)
+        lse = top.squeeze(1) + torch.log(total)
     return out, lse
 
 
