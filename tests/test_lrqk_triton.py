@@ -128,6 +128,22 @@ def test_gpu_path_equals_reference(policy, gqa, head_dim, slot_dtype, extra):
         assert torch.equal(a.slots.token.sort(1).values, b.slots.token.sort(1).values)   # the same residents
 
 
+def test_prefetch_keeps_the_torch_path():
+    """prefetch=True (its background thread ranks on the host) decodes through the torch path on the GPU
+    path too: no miss transfer, the reference's answers."""
+    model = _model(4, 64)
+    ids, mask = left_pad(prompts([26, 19]))
+    opts = {"top_k": 6, "window": 3, "rank": 12, "iters": 1, "policy": "lru", "prefetch": True}
+    ref = kvshrink.make_cache("lrqk", model, kernel="reference", **opts)
+    gpu = kvshrink.make_cache("lrqk", model, kernel="fast", **opts)
+    ref_seq, ref_logits = greedy(model, ids, mask, ref, new_tokens=4)
+    with force_gpu_path(), _count_transfers() as transfers:
+        seq, logits = greedy(model, ids, mask, gpu, new_tokens=4)
+    assert transfers.calls == 0
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_gpu_path_disk_tier_and_copy(tmp_path):
     """The GPU path with the slow tier on disk (its fills checked against the rows' checksums) equals the
     reference; a copy taken after GPU-path steps decodes on as the original."""

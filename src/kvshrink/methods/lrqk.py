@@ -255,8 +255,11 @@ class LRQKLayer(CacheLayer):
     def _on_gpu_path(self, query: torch.Tensor) -> bool:
         """The fast decode step on the GPU path (CUDA tensors, or forced): Triton kernels, the slot
         bookkeeping in tensor ops, one host synchronisation (the miss transfer). Background prefetch
-        keeps the torch path (its thread needs the ranking on the host)."""
-        return self.fast and not self.prefetch_on and gpu_path(query)
+        keeps the torch path (its thread needs the ranking on the host), and so does a fast tier on another
+        device than the model's (``fast_device``)."""
+        if not (self.fast and not self.prefetch_on and gpu_path(query)):
+            return False
+        return self.slots is None or self.slots.keys.device == query.device
 
     def _gpu_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
                     candidates: int) -> torch.Tensor:
