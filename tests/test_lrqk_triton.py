@@ -128,20 +128,25 @@ def test_gpu_path_equals_reference(policy, gqa, head_dim, slot_dtype, extra):
         assert torch.equal(a.slots.token.sort(1).values, b.slots.token.sort(1).values)   # the same residents
 
 
-def test_prefetch_keeps_the_torch_path():
-    """prefetch=True (its background thread ranks on the host) decodes through the torch path on the GPU
-    path too: no miss transfer, the reference's answers."""
+@pytest.mark.parametrize("policy", ["lru", "set"])
+def test_gpu_path_prefetch_equals_reference(policy):
+    """prefetch=True on the GPU path: the next-ranked tokens ride on the miss transfer (still one per step
+    and layer), are loaded in the background, and missing tokens found there are installed from them:
+    the reference's answers, hits and bytes."""
     model = _model(4, 64)
     ids, mask = left_pad(prompts([26, 19]))
-    opts = {"top_k": 6, "window": 3, "rank": 12, "iters": 1, "policy": "lru", "prefetch": True}
+    opts = {"top_k": 6, "window": 3, "rank": 12, "iters": 1, "policy": policy, "prefetch": True, "extra_slots": 4}
     ref = kvshrink.make_cache("lrqk", model, kernel="reference", **opts)
     gpu = kvshrink.make_cache("lrqk", model, kernel="fast", **opts)
-    ref_seq, ref_logits = greedy(model, ids, mask, ref, new_tokens=4)
+    ref_seq, ref_logits = greedy(model, ids, mask, ref, new_tokens=5)
     with force_gpu_path(), _count_transfers() as transfers:
-        seq, logits = greedy(model, ids, mask, gpu, new_tokens=4)
-    assert transfers.calls == 0
+        seq, logits = greedy(model, ids, mask, gpu, new_tokens=5)
+    assert transfers.calls == 4 * len(list(one_row_layers(gpu.layers)))
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for key in ("selected_rows", "missed_rows", "bytes_moved", "prefetch_hits", "prefetch_rows", "prefetch_bytes"):
+        assert gpu.stats()[key] == ref.stats()[key], key
+    assert gpu.stats()["prefetch_hits"] > 0
 
 
 def test_gpu_path_disk_tier_and_copy(tmp_path):
@@ -261,6 +266,9 @@ def test_gpu_path_one_host_sync_per_layer(monkeypatch):
     assert transfers <= layers                              # the miss transfer: at most one per layer
     # the same count with the float16 range checks of bf16 rows narrowed to float16 slots (deferred)
     ops, transfers, layers, _ = _decode_step_syncs(monkeypatch, gpu=True, slot_dtype="float16", policy="lru")
+    assert sum(ops.values()) == 0 and transfers <= layers, ops
+    # and with prefetch (the next-ranked tokens ride on the miss transfer)
+    ops, transfers, layers, _ = _decode_step_syncs(monkeypatch, gpu=True, policy="lru", prefetch=True)
     assert sum(ops.values()) == 0 and transfers <= layers, ops
     # the counter sees the CPU paths' synchronisations (numba path: its range checks; torch: also nonzero...)
     ops, transfers, layers, _ = _decode_step_syncs(monkeypatch, gpu=False, kernel="reference")

@@ -25,7 +25,7 @@ written once, then ``torch.topk`` on the device; an attention that reads the sel
 window and the new token) and ``SlotTier.select_device`` (the slot bookkeeping in tensor ops); its one
 host synchronisation per layer is the miss transfer (which rows to fetch from the slow tier), which also
 carries the deferred float16 range checks. The slow tier's rows move through pinned buffers with
-non-blocking copies. ``prefetch=True`` keeps the torch path (its background thread ranks on the host).
+non-blocking copies; with ``prefetch=True`` the next-ranked tokens ride on the same transfer.
 Oracle: ``tests/test_lrqk_triton.py``.
 
 When ``top_k`` covers every token older than the window the selection is all of them, so the output
@@ -254,17 +254,18 @@ class LRQKLayer(CacheLayer):
     # ---- the GPU path ----------------------------------------------------------------------------
     def _on_gpu_path(self, query: torch.Tensor) -> bool:
         """The fast decode step on the GPU path (CUDA tensors, or forced): Triton kernels, the slot
-        bookkeeping in tensor ops, one host synchronisation (the miss transfer). Background prefetch
-        keeps the torch path (its thread needs the ranking on the host), and so does a fast tier on another
-        device than the model's (``fast_device``)."""
-        if not (self.fast and not self.prefetch_on and gpu_path(query)):
+        bookkeeping in tensor ops, one host synchronisation (the miss transfer). A fast tier on another
+        device than the model's (``fast_device``) keeps the torch path."""
+        if not (self.fast and gpu_path(query)):
             return False
         return self.slots is None or self.slots.keys.device == query.device
 
     def _gpu_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
                     candidates: int) -> torch.Tensor:
         """Proxy mass in Triton, top-k on the device, the fill (``SlotTier.select_device``), then one
-        Triton attention reading the selected slots by index, the window and the new token."""
+        Triton attention reading the selected slots by index, the window and the new token. With
+        ``prefetch``, the next-ranked tokens ride on the same host transfer and are loaded in the
+        background for the next step."""
         from kvshrink.kernels import lrqk_proxy
 
         b, hq, _, d = query.shape
@@ -275,7 +276,7 @@ class LRQKLayer(CacheLayer):
         slot = selected = None
         if candidates > 0:
             if self.exact_selection:      # diagnostic: reads every key from the slow tier (synchronises)
-                selected, top_mass, _ = self._select(ctx, candidates)
+                selected, top_mass, mass = self._select(ctx, candidates)
             else:
                 f, cap = self.a_k.shape[1], self.a_k.shape[2]
                 first = ctx.pad_len.to(device).repeat_interleave(f) if ctx.pad_len is not None else None
@@ -284,8 +285,15 @@ class LRQKLayer(CacheLayer):
                 if self.copies > 1:
                     mass = mass.view(rows, self.copies, candidates).sum(1)
                 top_mass, selected = torch.topk(mass, min(self.top_k, candidates), dim=-1, sorted=False)
-            report, slot, overflow = self.slots.select_device(selected, self.slow, top_mass, self._overflow)
+            prefetched, ahead = self._take_prefetch(), None
+            extra = min(self.extra, candidates - selected.shape[1])
+            if self.prefetch_on and extra > 0:     # the best-ranked tokens outside this step's top-k
+                ahead = torch.topk(mass.scatter(1, selected, float("-inf")), extra, dim=-1).indices
+            report, slot, overflow, ahead_host = self.slots.select_device(
+                selected, self.slow, top_mass, self._overflow, prefetched=prefetched, ahead=ahead)
             record_fill(self.counters, self.step_log, report)
+            if ahead_host is not None:
+                self._start_prefetch_host(ahead, ahead_host)
             if overflow:
                 raise ValueError(
                     "kvshrink: a key, value or key factor is beyond float16's range (+-65504); stored as float16 "
@@ -521,6 +529,15 @@ class LRQKLayer(CacheLayer):
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lrqk-prefetch")
         slow = self.slow
         self._prefetched = (nxt, self._pool.submit(lambda: slow.gather(rows.reshape(-1), nxt.reshape(-1))))
+
+    def _start_prefetch_host(self, tokens: torch.Tensor, host_tokens: torch.Tensor) -> None:
+        """The GPU path's prefetch: ``host_tokens`` (``[rows, e]``, on the host already) loaded on the
+        background thread; ``tokens`` (the same, on the device) match them against the next selection."""
+        rows = torch.arange(host_tokens.shape[0])[:, None].expand_as(host_tokens)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lrqk-prefetch")
+        slow = self.slow
+        self._prefetched = (tokens, self._pool.submit(lambda: slow.gather(rows.reshape(-1), host_tokens.reshape(-1))))
 
     def _take_prefetch(self):
         if self._prefetched is None:

@@ -139,9 +139,11 @@ class SlowTier:
             self._check_rows(row, token, picked)
         return picked
 
-    def gather_to(self, flat: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def gather_to(self, flat: torch.Tensor, device: torch.device,
+                  given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rows at flat positions ``flat`` (``token * rows + row``, a host tensor) as ``[n, 2, d]`` on
         ``device``: picked into a pinned staging buffer, then copied asynchronously (the GPU path).
+        ``given``: ``(positions, rows)`` already at hand (prefetched): placed there, not read.
 
         The buffer is reused by the next call: on the GPU path that call comes after the next step's
         miss transfer, which synchronises the stream, so this copy has landed by then."""
@@ -153,9 +155,20 @@ class SlowTier:
                     self._staging = torch.empty((max(n, 64), 2, self.head_dim), dtype=self.dtype,
                                                 pin_memory=torch.cuda.is_available())
             out = self._staging[:n]
-            torch.index_select(self.data.view(-1, 2, self.head_dim), 0, flat, out=out)
-            if type(self)._check_rows is not SlowTier._check_rows:
-                self._check_rows(flat % self.rows, flat // self.rows, out)
+            if given is None:
+                torch.index_select(self.data.view(-1, 2, self.head_dim), 0, flat, out=out)
+                if type(self)._check_rows is not SlowTier._check_rows:
+                    self._check_rows(flat % self.rows, flat // self.rows, out)
+            else:
+                keep = torch.ones(n, dtype=torch.bool)
+                keep[given[0]] = False
+                read = torch.from_numpy(np.flatnonzero(keep.numpy()))
+                out.index_copy_(0, given[0], given[1].to(self.dtype))
+                if read.numel():
+                    picked = self.data.view(-1, 2, self.head_dim).index_select(0, flat[read])
+                    if type(self)._check_rows is not SlowTier._check_rows:
+                        self._check_rows(flat[read] % self.rows, flat[read] // self.rows, picked)
+                    out.index_copy_(0, read, picked)
         return out.to(device, non_blocking=True)
 
     def nbytes(self) -> int:
@@ -413,7 +426,9 @@ class SlotTier:
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved)
 
     def select_device(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
-                      overflow: torch.Tensor | None = None) -> tuple[FillReport, torch.Tensor, torch.Tensor | None]:
+                      overflow: torch.Tensor | None = None,
+                      prefetched: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      ahead: torch.Tensor | None = None):
         """``select`` for the GPU path: the bookkeeping in tensor ops on the slots' device (no numba, no
         Python loop over tensors) and one host synchronisation, the miss transfer.
 
@@ -424,7 +439,13 @@ class SlotTier:
         count and the ``overflow`` flag (a 0-dim bool tensor of deferred range checks) after them; that
         tensor is the one copy to the host. The rows come from the slow tier through a pinned buffer
         (non-blocking). Returns the report, the slot of each selected token ``[rows, k]`` (what the
-        gathered attention reads) and the overflow flag as it reached the host (None without one)."""
+        gathered attention reads), the overflow flag as it reached the host (None without one) and
+        ``ahead`` on the host (None without it).
+
+        ``prefetched``: ``(tokens [rows, e]`` on the device, ``rows [rows*e, 2, d]`` on the host), last
+        step's background load: a missing token found there is installed from it (its position rides in
+        the plan as a negative code). ``ahead`` ``[rows, e]``: tokens to load in the background for the
+        next step, brought to the host in the same transfer."""
         self.step += 1
         rows, k = selected.shape
         cap = self.capacity
@@ -449,9 +470,18 @@ class SlotTier:
         flat_missing = missing.reshape(-1)
         target = torch.where(flat_missing, flat_missing.cumsum(0) - 1, n)
         row_id = torch.arange(rows, device=device)[:, None].expand(rows, k).reshape(-1)
-        plan = torch.full((n + 2,), -1, dtype=torch.long, device=device)
-        plan.scatter_(0, target, selected.reshape(-1) * slow.rows + row_id)
+        n_ahead = ahead.numel() if ahead is not None else 0
+        plan = torch.full((n + 2 + n_ahead,), -1, dtype=torch.long, device=device)
+        source = selected.reshape(-1) * slow.rows + row_id                        # a slow-tier row
+        if prefetched is not None:                                                # or -1 - a prefetched row
+            pf_tokens = prefetched[0].to(device)
+            found, pos = _position(selected, pf_tokens, span)
+            pf_code = -1 - (row_id * pf_tokens.shape[1] + pos.reshape(-1))
+            source = torch.where(found.reshape(-1), pf_code, source)
+        plan.scatter_(0, target, source)
         plan[n] = flat_missing.sum()
+        if n_ahead:
+            plan[n + 2:] = ahead.reshape(-1).to(device)
         if overflow is not None:
             plan[n + 1] = overflow.long()
         dest = torch.zeros(n + 1, dtype=torch.long, device=device)
@@ -468,16 +498,23 @@ class SlotTier:
         host = _miss_plan_to_host(plan).numpy()
         slow.stream_synced()
         m = int(host[n])
-        moved = 0
+        moved = hits = 0
         if m:
-            fill = slow.gather_to(torch.from_numpy(host[:m]), device)
-            moved = m * 2 * slow.head_dim * fill.element_size()
+            codes = host[:m]
+            from_pf = np.flatnonzero(codes < 0)
+            hits = int(from_pf.size)
+            extra = None
+            if hits:
+                extra = (torch.from_numpy(from_pf), prefetched[1].index_select(0, torch.from_numpy(-1 - codes[from_pf])))
+            fill = slow.gather_to(torch.from_numpy(codes), device, extra)
+            moved = (m - hits) * 2 * slow.head_dim * fill.element_size()
             fill = deferred_to_storage(fill, self.keys.dtype, overflow)
             into = dest[:m]
             self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, into, fill[:, 0])
             self.values.view(-1, self.values.shape[-1]).index_copy_(0, into, fill[:, 1])
         flag = bool(host[n + 1] > 0) if overflow is not None else None
-        return FillReport(selected=n, missed=m, bytes_moved=moved), slot, flag
+        ahead_host = torch.from_numpy(host[n + 2:]).reshape(ahead.shape) if n_ahead else None
+        return FillReport(selected=n, missed=m, bytes_moved=moved, prefetch_hits=hits), slot, flag, ahead_host
 
     @staticmethod
     def _fill_with_prefetch(selected, missing, row_idx, tokens, slow, prefetched, span):
