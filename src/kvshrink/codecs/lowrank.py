@@ -68,15 +68,19 @@ def gram(x: Tensor, weight: Tensor | None = None) -> Tensor:
     return x64.transpose(-1, -2) @ x64
 
 
-def _ridge_solve(lhs: Tensor, rhs: Tensor, rel_eps: float = 1e-9) -> Tensor:
+def _ridge_solve(lhs: Tensor, rhs: Tensor, rel_eps: float = 1e-9, check_errors: bool = True) -> Tensor:
     """Solve ``lhs · X = rhs`` for symmetric PSD ``lhs`` with a tiny relative ridge.
 
     The ridge keeps rank-deficient systems (prompts shorter than the rank, zero heads) solvable
-    without changing well-conditioned ones measurably.
+    without changing well-conditioned ones measurably. ``check_errors=False`` (the GPU path): no
+    check for a singular system, which reads the solver's status on the host (a synchronisation);
+    the same solution otherwise.
     """
     n = lhs.shape[-1]
     scale = lhs.diagonal(dim1=-2, dim2=-1).abs().mean(-1, keepdim=True).clamp_min(1e-30)
     eye = torch.eye(n, dtype=lhs.dtype, device=lhs.device)
+    if not check_errors:
+        return torch.linalg.solve_ex(lhs + rel_eps * scale.unsqueeze(-1) * eye, rhs)[0]
     return torch.linalg.solve(lhs + rel_eps * scale.unsqueeze(-1) * eye, rhs)
 
 
@@ -213,9 +217,10 @@ def decode_factor_vectors(query: Tensor, key: Tensor, b_q: Tensor, b_k: Tensor, 
 
 def factor_vectors_from_sums(query: Tensor, key: Tensor, b_q: Tensor, b_k: Tensor,
                              resident_lhs: Tensor | None, resident_rhs: Tensor | None, *,
-                             lam: float = 1.0, iters: int = 2) -> tuple[Tensor, Tensor]:
+                             lam: float = 1.0, iters: int = 2, check_errors: bool = True) -> tuple[Tensor, Tensor]:
     """:func:`decode_factor_vectors` given the resident tokens' sums ``resident_lhs`` = ``AᵀA``
-    ``[N, r, r]`` and ``resident_rhs`` = ``(q·Kᵀ)A`` ``[N, G, r]`` (None: no resident token)."""
+    ``[N, r, r]`` and ``resident_rhs`` = ``(q·Kᵀ)A`` ``[N, G, r]`` (None: no resident token).
+    ``check_errors=False``: the solves without their host synchronisation (``_ridge_solve``)."""
     q = query.to(_SOLVE_DTYPE)
     k = key.to(_SOLVE_DTYPE)
     bq = b_q.to(_SOLVE_DTYPE)
@@ -230,14 +235,14 @@ def factor_vectors_from_sums(query: Tensor, key: Tensor, b_q: Tensor, b_k: Tenso
         rhs_q_base = rhs_q_base + resident_rhs.to(_SOLVE_DTYPE)
     # Least-squares start k̂ = k B_K⁺ (the first update of q̂ needs only k̂).
     bk_k = (bk @ k.unsqueeze(-1)).squeeze(-1)                       # [N,r]
-    k_hat = _ridge_solve(bk_gram, bk_k.unsqueeze(-1)).squeeze(-1)
+    k_hat = _ridge_solve(bk_gram, bk_k.unsqueeze(-1), check_errors=check_errors).squeeze(-1)
     for _ in range(iters):
         kk = k_hat.unsqueeze(-1) @ k_hat.unsqueeze(-2)             # [N,r,r]
         rhs_q = rhs_q_base + qk.unsqueeze(-1) * k_hat.unsqueeze(-2)
-        q_hat = _ridge_solve(lhs_q_base + kk, rhs_q.transpose(-1, -2)).transpose(-1, -2)
+        q_hat = _ridge_solve(lhs_q_base + kk, rhs_q.transpose(-1, -2), check_errors=check_errors).transpose(-1, -2)
         lhs_k = q_hat.transpose(-1, -2) @ q_hat + lam * bk_gram    # Σ_g q̂_g q̂_gᵀ + λB_KB_Kᵀ
         rhs_k = (qk.unsqueeze(-1) * q_hat).sum(-2) + lam * bk_k
-        k_hat = _ridge_solve(lhs_k, rhs_k.unsqueeze(-1)).squeeze(-1)
+        k_hat = _ridge_solve(lhs_k, rhs_k.unsqueeze(-1), check_errors=check_errors).squeeze(-1)
     return q_hat, k_hat
 
 

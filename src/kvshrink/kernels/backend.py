@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -22,6 +23,22 @@ __all__ = ["gpu_path", "force_gpu_path", "gpu_path_forced", "triton", "triton_av
 _forced = os.environ.get("KVSHRINK_GPU_PATH", "") not in ("", "0")
 _triton: ModuleType | None = None
 _triton_error: str | None = None
+
+
+def _choose_interpreter(probe_device: bool = True) -> None:
+    """Without a GPU a Triton kernel can only run in the interpreter, which must be chosen before Triton is
+    imported: Triton decorates its own library functions (``tl.max``, ``tl.sum``...) at import, and
+    transformers imports Triton when it is installed. ``kvshrink/__init__`` imports this module first;
+    at import only a CPU build of torch is recognised (``probe_device=False``: no CUDA initialisation,
+    which would stop forked workers from using CUDA), the device itself is asked on first use."""
+    if "triton" in sys.modules:
+        return
+    cpu_build = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    if cpu_build or (probe_device and not torch.cuda.is_available()):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_choose_interpreter(probe_device=False)
 
 
 def gpu_path_forced() -> bool:
@@ -49,9 +66,17 @@ def _load_triton() -> None:
     global _triton, _triton_error
     if _triton is not None or _triton_error is not None:
         return
-    if not torch.cuda.is_available():
-        # without a GPU a Triton kernel can only run in the interpreter, which must be chosen before import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    _choose_interpreter()
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        # Something imported Triton before kvshrink (transformers does): its library functions were made
+        # for compiled kernels, which cannot run here. Import its Python modules again under the
+        # interpreter (the compiled extension, triton._C, is kept: it cannot be loaded twice).
+        # An explicit TRITON_INTERPRET=0 is kept (kernels then compile, e.g. for another machine, but
+        # cannot run here).
+        os.environ["TRITON_INTERPRET"] = "1"
+        for name in [m for m in sys.modules if (m == "triton" or m.startswith("triton.")) and
+                     not m.startswith("triton._C")]:
+            del sys.modules[name]
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401

@@ -19,6 +19,15 @@ over slots, window and the new token; the per-token factor update and the slot b
 kernels when ``kvshrink[fast]`` is installed); ``kernel="reference"`` is the plain torch path, the
 oracle of ``tests/test_lrqk_fast.py``. Both give the same answers up to float rounding.
 
+On the GPU path (``kernels.backend.gpu_path``: CUDA tensors, or forced on CPU with Triton's interpreter)
+the fast decode step runs ``kernels/lrqk_proxy.py``'s Triton kernels (proxy scores to per-KV-head mass,
+written once, then ``torch.topk`` on the device; an attention that reads the selected slots by index, the
+window and the new token) and ``SlotTier.select_device`` (the slot bookkeeping in tensor ops); its one
+host synchronisation per layer is the miss transfer (which rows to fetch from the slow tier), which also
+carries the deferred float16 range checks. The slow tier's rows move through pinned buffers with
+non-blocking copies; with ``prefetch=True`` the next-ranked tokens ride on the same transfer.
+Oracle: ``tests/test_lrqk_triton.py``.
+
 When ``top_k`` covers every token older than the window the selection is all of them, so the output
 equals ``full`` (up to float rounding of the log-sum-exp merge).
 """
@@ -37,6 +46,7 @@ from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import lowrank_fused
+from kvshrink.kernels.backend import gpu_path
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -60,6 +70,7 @@ from kvshrink.methods.lrqk_tiers import (
     SLOW_TIERS,
     SlotTier,
     SlowTier,
+    deferred_to_storage,
     make_slow_tier,
     state_tensors,
     warm_up_fill_planner,
@@ -190,6 +201,7 @@ class LRQKLayer(CacheLayer):
         self._query: torch.Tensor | None = None
         self._k_hat: torch.Tensor | None = None
         self._prefetched = None
+        self._overflow: torch.Tensor | None = None    # GPU path: deferred float16 range checks
         self.counters = new_counters()
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
@@ -229,12 +241,76 @@ class LRQKLayer(CacheLayer):
         self._query = query
         self._update_factor_vectors(query)
         candidates = ctx.past_len - min(self.window, ctx.past_len)
-        if candidates > 0:
-            self._select_and_fill(query, ctx, candidates)
-        out = self._resident_attention(query, key, value, ctx, slots=candidates > 0)
+        if self._on_gpu_path(query):
+            out = self._gpu_decode(query, key, value, ctx, candidates)
+        else:
+            if candidates > 0:
+                self._select_and_fill(query, ctx, candidates)
+            out = self._resident_attention(query, key, value, ctx, slots=candidates > 0)
         self._pending = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    # ---- the GPU path ----------------------------------------------------------------------------
+    def _on_gpu_path(self, query: torch.Tensor) -> bool:
+        """The fast decode step on the GPU path (CUDA tensors, or forced): Triton kernels, the slot
+        bookkeeping in tensor ops, one host synchronisation (the miss transfer). A fast tier on another
+        device than the model's (``fast_device``) keeps the torch path."""
+        if not (self.fast and gpu_path(query)):
+            return False
+        return self.slots is None or self.slots.keys.device == query.device
+
+    def _gpu_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
+                    candidates: int) -> torch.Tensor:
+        """Proxy mass in Triton, top-k on the device, the fill (``SlotTier.select_device``), then one
+        Triton attention reading the selected slots by index, the window and the new token. With
+        ``prefetch``, the next-ranked tokens ride on the same host transfer and are loaded in the
+        background for the next step."""
+        from kvshrink.kernels import lrqk_proxy
+
+        b, hq, _, d = query.shape
+        hkv = self.info.num_kv_heads
+        rows, device = b * hkv, self.slots.keys.device
+        if getattr(self, "_overflow", None) is None:   # (a layer saved before the GPU path lacks it)
+            self._overflow = torch.zeros((), dtype=torch.bool, device=device)
+        slot = selected = None
+        if candidates > 0:
+            if self.exact_selection:      # diagnostic: reads every key from the slow tier (synchronises)
+                selected, top_mass, mass = self._select(ctx, candidates)
+            else:
+                f, cap = self.a_k.shape[1], self.a_k.shape[2]
+                first = ctx.pad_len.to(device).repeat_interleave(f) if ctx.pad_len is not None else None
+                mass = lrqk_proxy.proxy_mass(self._q_hat.reshape(b * f, -1, self.rank),
+                                             self.a_k.view(b * f, cap, self.rank), candidates, ctx.scaling, first)
+                if self.copies > 1:
+                    mass = mass.view(rows, self.copies, candidates).sum(1)
+                top_mass, selected = torch.topk(mass, min(self.top_k, candidates), dim=-1, sorted=False)
+            prefetched, ahead = self._take_prefetch(), None
+            extra = min(self.extra, candidates - selected.shape[1])
+            if self.prefetch_on and extra > 0:     # the best-ranked tokens outside this step's top-k
+                ahead = torch.topk(mass.scatter(1, selected, float("-inf")), extra, dim=-1).indices
+            report, slot, overflow, ahead_host = self.slots.select_device(
+                selected, self.slow, top_mass, self._overflow, prefetched=prefetched, ahead=ahead)
+            record_fill(self.counters, self.step_log, report)
+            if ahead_host is not None:
+                self._start_prefetch_host(ahead, ahead_host)
+            if overflow:
+                raise ValueError(
+                    "kvshrink: a key, value or key factor is beyond float16's range (+-65504); stored as float16 "
+                    "it became inf. Store exact tokens (slot_dtype) and factors (factor_dtype) in the model's "
+                    "dtype for this model.")
+            if self.measure_recall:
+                self._measure_recall(query, ctx, candidates, selected)
+        n_win = self.win_k.shape[2] if self.win_k is not None else 0
+        first = ctx.pad_len.to(device).repeat_interleave(hkv) if ctx.pad_len is not None else None
+        tail_k = self.win_k.reshape(rows, n_win, d) if n_win else None
+        tail_v = self.win_v.reshape(rows, n_win, d) if n_win else None
+        out, _ = lrqk_proxy.gathered_attention(
+            query.reshape(rows, hq // hkv, d).to(device), self.slots.keys, self.slots.values, slot,
+            selected.to(device) if selected is not None else None, tail_k, tail_v,
+            key.reshape(rows, d).to(device), value.reshape(rows, d).to(device), ctx.past_len - n_win,
+            ctx.scaling, first)
+        return out.reshape(b, hq, 1, d).to(query.device)
 
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         self._query = query
@@ -298,13 +374,15 @@ class LRQKLayer(CacheLayer):
         q = self._factor_queries(query).reshape(b * f, -1, d).float()
         k = self._factor_keys(self._pending[0]).reshape(b * f, d).float()
         lhs, rhs = self._resident_sums(q, b, f) if self.fit_resident else (None, None)
-        if lowrank_fused.available() and self.b_q.device.type == "cpu":
+        gpu = self._on_gpu_path(query)
+        if lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu:
             if lhs is None:
                 lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
             q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.decode_step(q, k, self.b_q, self.b_k, lhs, rhs,
                                                                          self.lam, self.update_bases)
         else:
-            q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam)
+            q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam,
+                                                    check_errors=not gpu)
             if self.update_bases:
                 self.b_q = line_search_basis_step(self.b_q, q_hat, q)
                 self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
@@ -452,6 +530,15 @@ class LRQKLayer(CacheLayer):
         slow = self.slow
         self._prefetched = (nxt, self._pool.submit(lambda: slow.gather(rows.reshape(-1), nxt.reshape(-1))))
 
+    def _start_prefetch_host(self, tokens: torch.Tensor, host_tokens: torch.Tensor) -> None:
+        """The GPU path's prefetch: ``host_tokens`` (``[rows, e]``, on the host already) loaded on the
+        background thread; ``tokens`` (the same, on the device) match them against the next selection."""
+        rows = torch.arange(host_tokens.shape[0])[:, None].expand_as(host_tokens)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lrqk-prefetch")
+        slow = self.slow
+        self._prefetched = (tokens, self._pool.submit(lambda: slow.gather(rows.reshape(-1), host_tokens.reshape(-1))))
+
     def _take_prefetch(self):
         if self._prefetched is None:
             return None
@@ -471,11 +558,14 @@ class LRQKLayer(CacheLayer):
     # ---- storing -------------------------------------------------------------------------------------
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         self._ensure_tiers(key)
-        self.slow.append(key, value)
+        gpu = ctx.q_len == 1 and self._query is not None and self._on_gpu_path(self._query)
+        self.slow.append(key, value, non_blocking=gpu)
         self._update_window(key, value)
         if ctx.q_len > 1 or self.b_k is None:
             self._accumulate_grams(self._query, key, ctx)
             self._refit()
+        elif gpu and getattr(self, "_overflow", None) is not None:   # range checked with the next miss transfer
+            self._append_factors(deferred_to_storage(self._k_hat, self.factor_dtype, self._overflow).unsqueeze(2))
         else:
             self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
         self._query = None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvshrink.cache.store import held_bytes, to_storage
+from kvshrink.cache.store import _FP16_MAX, held_bytes, to_storage
 from kvshrink.codecs import fused
 
 POLICIES = ("set", "lru", "attention")
@@ -68,16 +68,29 @@ class SlowTier:
         self._data: torch.Tensor | None = None
         # Prefetch gathers on a background thread while the model appends: growth must not interleave.
         self._lock = threading.Lock()
+        self._inflight = None    # CUDA event after an asynchronous append (GPU path), until the stream syncs
+        self._staging: torch.Tensor | None = None   # pinned rows for the GPU path's fills (gather_to)
 
     # ---- storage ---------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> torch.Tensor:
         pin = torch.cuda.is_available()
         return torch.empty((capacity, self.rows, 2, self.head_dim), dtype=self.dtype, pin_memory=pin)
 
+    def _settle(self) -> None:
+        """Wait for asynchronous appends still being copied (none once the stream has synchronised)."""
+        if self._inflight is not None:
+            self._inflight.synchronize()
+            self._inflight = None
+
+    def stream_synced(self) -> None:
+        """The caller synchronised the device's stream: every asynchronous append has landed."""
+        self._inflight = None
+
     def _reserve(self, needed: int) -> None:
         capacity = 0 if self._data is None else self._data.shape[0]
         if needed <= capacity:
             return
+        self._settle()
         with state_tensors():
             data = self._allocate(_grow(capacity, needed))
             if self.length:
@@ -89,19 +102,30 @@ class SlowTier:
         return self._data
 
     # ---- API -------------------------------------------------------------------------------------
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store tokens ``key/value [B, H_kv, q, d]`` after the ones already held."""
+    def append(self, key: torch.Tensor, value: torch.Tensor, non_blocking: bool = False) -> None:
+        """Store tokens ``key/value [B, H_kv, q, d]`` after the ones already held.
+
+        ``non_blocking`` (the GPU path): a CUDA tensor is copied into the pinned rows asynchronously (no
+        host synchronisation); reads wait for it (``_settle``), which costs nothing once the stream has
+        synchronised, as each GPU decode step's miss transfer does."""
         b, h, q, d = key.shape
         rows = torch.stack([key, value], dim=2).reshape(b * h, 2, q, d).permute(2, 0, 1, 3)
         with self._lock:
             self._reserve(self.length + q)
-            self.data[self.length: self.length + q].copy_(rows.to(self.dtype))
+            target = self.data[self.length: self.length + q]
+            if non_blocking and key.is_cuda and self.kind == "cpu" and target.is_pinned():
+                target.copy_(rows.to(self.dtype), non_blocking=True)
+                self._inflight = torch.cuda.Event()
+                self._inflight.record()
+            else:
+                target.copy_(rows.to(self.dtype))
             self._after_write(self.length, self.length + q)
             self.length += q
 
     def read_range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens ``start..stop-1`` as ``[rows, n, d]`` host tensors."""
         with self._lock:
+            self._settle()
             self._check(start, stop)
             block = self.data[start:stop].permute(1, 2, 0, 3)          # [rows, 2, n, d]
         return block[:, 0], block[:, 1]
@@ -109,10 +133,43 @@ class SlowTier:
     def gather(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Rows ``(row[i], token[i])`` as ``[n, 2, d]`` (K and V), a fresh host tensor."""
         with self._lock:
+            self._settle()
             flat = self.data.view(-1, 2, self.head_dim)
             picked = flat.index_select(0, (token.long() * self.rows + row.long()).cpu())
             self._check_rows(row, token, picked)
         return picked
+
+    def gather_to(self, flat: torch.Tensor, device: torch.device,
+                  given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Rows at flat positions ``flat`` (``token * rows + row``, a host tensor) as ``[n, 2, d]`` on
+        ``device``: picked into a pinned staging buffer, then copied asynchronously (the GPU path).
+        ``given``: ``(positions, rows)`` already at hand (prefetched): placed there, not read.
+
+        The buffer is reused by the next call: on the GPU path that call comes after the next step's
+        miss transfer, which synchronises the stream, so this copy has landed by then."""
+        n = flat.numel()
+        with self._lock:
+            self._settle()
+            if self._staging is None or self._staging.shape[0] < n:
+                with state_tensors():
+                    self._staging = torch.empty((max(n, 64), 2, self.head_dim), dtype=self.dtype,
+                                                pin_memory=torch.cuda.is_available())
+            out = self._staging[:n]
+            if given is None:
+                torch.index_select(self.data.view(-1, 2, self.head_dim), 0, flat, out=out)
+                if type(self)._check_rows is not SlowTier._check_rows:
+                    self._check_rows(flat % self.rows, flat // self.rows, out)
+            else:
+                keep = torch.ones(n, dtype=torch.bool)
+                keep[given[0]] = False
+                read = torch.from_numpy(np.flatnonzero(keep.numpy()))
+                out.index_copy_(0, given[0], given[1].to(self.dtype))
+                if read.numel():
+                    picked = self.data.view(-1, 2, self.head_dim).index_select(0, flat[read])
+                    if type(self)._check_rows is not SlowTier._check_rows:
+                        self._check_rows(flat[read] % self.rows, flat[read] // self.rows, picked)
+                    out.index_copy_(0, read, picked)
+        return out.to(device, non_blocking=True)
 
     def nbytes(self) -> int:
         return held_bytes([self._data])
@@ -127,13 +184,16 @@ class SlowTier:
         with self._lock:
             if self._data is not None:
                 self._check(0, self.length)
-            state = {k: v for k, v in self.__dict__.items() if k != "_lock"}
+            self._settle()
+            state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_inflight", "_staging")}
             state["_data"] = None if self._data is None else self._data[: self.length].clone()
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._inflight = None
+        self._staging = None
 
     # ---- hooks for the disk tier -----------------------------------------------------------------
     def _after_write(self, start: int, stop: int) -> None:
@@ -365,6 +425,97 @@ class SlotTier:
         self._update_policy_state(selected, mass, slow.length)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved)
 
+    def select_device(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
+                      overflow: torch.Tensor | None = None,
+                      prefetched: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      ahead: torch.Tensor | None = None):
+        """``select`` for the GPU path: the bookkeeping in tensor ops on the slots' device (no numba, no
+        Python loop over tensors) and one host synchronisation, the miss transfer.
+
+        The same slots as ``select``: membership through dense per-row maps (token -> slot), the eviction
+        order by a stable argsort of the policy values, and the i-th missing token of a row (in
+        ``selected`` order) takes that row's i-th slot in that order (a cumsum gives i). The missing rows'
+        slow-tier positions are packed to the front of one int64 tensor (cumsum + scatter), with their
+        count and the ``overflow`` flag (a 0-dim bool tensor of deferred range checks) after them; that
+        tensor is the one copy to the host. The rows come from the slow tier through a pinned buffer
+        (non-blocking). Returns the report, the slot of each selected token ``[rows, k]`` (what the
+        gathered attention reads), the overflow flag as it reached the host (None without one) and
+        ``ahead`` on the host (None without it).
+
+        ``prefetched``: ``(tokens [rows, e]`` on the device, ``rows [rows*e, 2, d]`` on the host), last
+        step's background load: a missing token found there is installed from it (its position rides in
+        the plan as a negative code). ``ahead`` ``[rows, e]``: tokens to load in the background for the
+        next step, brought to the host in the same transfer."""
+        self.step += 1
+        rows, k = selected.shape
+        cap = self.capacity
+        if k > cap:
+            raise ValueError(f"LRQK: {k} selected tokens do not fit {cap} slots")
+        device = self.token.device
+        selected = selected.to(device).long()
+        span = slow.length
+        column = _map_index(self.token, span)                                    # [rows, S]
+        slot_of = torch.full((rows, span + 1), -1, dtype=torch.long, device=device)
+        slot_of.scatter_(1, column, torch.arange(cap, device=device).expand(rows, cap))
+        slot_of[:, span] = -1
+        current = slot_of.gather(1, selected)                                    # [rows, k]: slot or -1
+        missing = current < 0
+        stays = _dense_mask(selected, span).gather(1, column)                    # resident and selected
+        priority = self.score.masked_fill(column == span, float("-inf")).masked_fill(stays, float("inf"))
+        slot_order = torch.argsort(priority, dim=1, stable=True)
+        rank = (missing.cumsum(1) - 1).clamp_min(0)
+        slot = torch.where(missing, slot_order.gather(1, rank), current)         # [rows, k]
+        # the missing rows packed to the front (row-major), their count and the overflow flag after them
+        n = rows * k
+        flat_missing = missing.reshape(-1)
+        target = torch.where(flat_missing, flat_missing.cumsum(0) - 1, n)
+        row_id = torch.arange(rows, device=device)[:, None].expand(rows, k).reshape(-1)
+        n_ahead = ahead.numel() if ahead is not None else 0
+        plan = torch.full((n + 2 + n_ahead,), -1, dtype=torch.long, device=device)
+        source = selected.reshape(-1) * slow.rows + row_id                        # a slow-tier row
+        if prefetched is not None:                                                # or -1 - a prefetched row
+            pf_tokens = prefetched[0].to(device)
+            found, pos = _position(selected, pf_tokens, span)
+            pf_code = -1 - (row_id * pf_tokens.shape[1] + pos.reshape(-1))
+            source = torch.where(found.reshape(-1), pf_code, source)
+        plan.scatter_(0, target, source)
+        plan[n] = flat_missing.sum()
+        if n_ahead:
+            plan[n + 2:] = ahead.reshape(-1).to(device)
+        if overflow is not None:
+            plan[n + 1] = overflow.long()
+        dest = torch.zeros(n + 1, dtype=torch.long, device=device)
+        dest.scatter_(0, target, row_id * cap + slot.reshape(-1))
+        # the bookkeeping, on the device
+        self.token.scatter_(1, slot, selected)
+        self.score.scatter_(1, slot, torch.where(missing, 0.0, self.score.gather(1, slot)))
+        self.chosen = torch.zeros_like(self.chosen).scatter_(1, slot, True)
+        if self.policy == "lru":
+            self.score.masked_fill_(self.chosen, float(self.step))
+        elif self.policy == "attention" and mass is not None:
+            self.score.scatter_add_(1, slot, mass.float().to(device))
+        # the one host synchronisation
+        host = _miss_plan_to_host(plan).numpy()
+        slow.stream_synced()
+        m = int(host[n])
+        moved = hits = 0
+        if m:
+            codes = host[:m]
+            from_pf = np.flatnonzero(codes < 0)
+            hits = int(from_pf.size)
+            extra = None
+            if hits:
+                extra = (torch.from_numpy(from_pf), prefetched[1].index_select(0, torch.from_numpy(-1 - codes[from_pf])))
+            fill = slow.gather_to(torch.from_numpy(codes), device, extra)
+            moved = (m - hits) * 2 * slow.head_dim * fill.element_size()
+            fill = deferred_to_storage(fill, self.keys.dtype, overflow)
+            into = dest[:m]
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, into, fill[:, 0])
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, into, fill[:, 1])
+        flag = bool(host[n + 1] > 0) if overflow is not None else None
+        ahead_host = torch.from_numpy(host[n + 2:]).reshape(ahead.shape) if n_ahead else None
+        return FillReport(selected=n, missed=m, bytes_moved=moved, prefetch_hits=hits), slot, flag, ahead_host
+
     @staticmethod
     def _fill_with_prefetch(selected, missing, row_idx, tokens, slow, prefetched, span):
         """The missing rows ``[m, 2, d]``, from last step's background load where it holds them, else
@@ -463,6 +614,24 @@ def warm_up_fill_planner() -> None:
     if fused.available():
         _plan_fill(np.full((1, 2), -1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 1), np.int64),
                    np.zeros((1, 2), np.bool_), 1)
+
+
+def deferred_to_storage(x: torch.Tensor, dtype: torch.dtype, overflow: torch.Tensor | None) -> torch.Tensor:
+    """``store.to_storage`` without its host synchronisation: narrowing to float16, whether a value is
+    beyond float16's range is or-ed into ``overflow`` (a 0-dim bool tensor on ``x``'s device) instead of
+    being read on the spot; the caller reads it with the next miss transfer and raises then. Without a
+    flag, ``to_storage`` itself."""
+    if overflow is None:
+        return to_storage(x, dtype)
+    if dtype == torch.float16 and x.dtype != dtype and x.numel():
+        overflow.logical_or_(x.detach().abs().amax().float() > _FP16_MAX)
+    return x.to(dtype)
+
+
+def _miss_plan_to_host(plan: torch.Tensor) -> torch.Tensor:
+    """The GPU path's one host synchronisation per decode step and layer: the packed miss plan to the host
+    (a blocking copy from a CUDA device; its own tensor on CPU). Tests count the calls."""
+    return plan.to("cpu")
 
 
 def _map_index(ids: torch.Tensor, span: int) -> torch.Tensor:

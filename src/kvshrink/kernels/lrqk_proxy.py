@@ -1,0 +1,285 @@
+"""LRQK's decode kernels for the GPU path (Triton): proxy scores to per-KV-head attention mass, and an
+attention that reads the selected slots by index (no gathered copy).
+
+``proxy_mass``: the low-rank scores ``s = (q̂ · A_Kᵀ) · scaling`` of every candidate token for every query
+of a factor head, turned into the estimated attention mass the selection ranks by: the softmax over the
+candidates per query, summed over the queries of the group (``LRQKLayer._select``'s torch ops). Two
+kernels over (row, block of tokens): the first writes each block's max and sum of exponentials per query,
+a tiny torch reduction combines them into the log-sum-exp, the second recomputes the scores (r-long dot
+products, cheaper than storing them) and writes the mass once, ``[rows, n]`` float32. ``torch.topk`` on the
+device then picks the top-k.
+
+``gathered_attention``: exact attention of a KV head's query group over (1) the slots listed in
+``slot_index`` (this step's selection, read by index inside the kernel), (2) a contiguous tail (the
+window) and (3) the new token, with left padding hidden by token index; returns the output and the
+log-sum-exp, float32.
+
+Both run on CUDA tensors, or on CPU tensors in Triton's interpreter (tests, ``force_gpu_path``). Their
+oracles are the torch ops of ``LRQKLayer`` (``kernel="reference"``); dot products run in IEEE float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshrink.kernels.backend import triton as _load_triton
+
+triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
+import triton.language as tl  # noqa: E402
+
+__all__ = ["proxy_mass", "proxy_mass_torch", "gathered_attention", "gathered_attention_torch"]
+
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+@triton.jit
+def _proxy_stats(q_ptr, a_ptr, pad_ptr, m_ptr, l_ptr, n, G, R, a_row_stride, a_tok_stride, scale,
+                n_blocks, HAS_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    r = tl.arange(0, BLOCK_R)
+    t = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + row * G * R + g[:, None] * R + r[None, :], mask=(g[:, None] < G) & (r[None, :] < R),
+                other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * a_row_stride + t[:, None] * a_tok_stride + r[None, :],
+                mask=(t[:, None] < n) & (r[None, :] < R), other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(a), input_precision="ieee") * scale          # [G, N]
+    valid = t < n
+    if HAS_PAD:
+        valid = valid & (t >= tl.load(pad_ptr + row))
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m = tl.max(s, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_sum = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+    out = (row * n_blocks + blk) * BLOCK_G + g
+    tl.store(m_ptr + out, m)
+    tl.store(l_ptr + out, l_sum)
+
+@triton.jit
+def _proxy_mass_kernel(q_ptr, a_ptr, pad_ptr, lse_ptr, mass_ptr, n, G, R, a_row_stride, a_tok_stride, scale,
+                      HAS_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    r = tl.arange(0, BLOCK_R)
+    t = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + row * G * R + g[:, None] * R + r[None, :], mask=(g[:, None] < G) & (r[None, :] < R),
+                other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * a_row_stride + t[:, None] * a_tok_stride + r[None, :],
+                mask=(t[:, None] < n) & (r[None, :] < R), other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(a), input_precision="ieee") * scale
+    valid = t < n
+    if HAS_PAD:
+        valid = valid & (t >= tl.load(pad_ptr + row))
+    lse = tl.load(lse_ptr + row * BLOCK_G + g)
+    live = (g < G) & (lse > float("-inf"))
+    keep = live[:, None] & valid[None, :]
+    p = tl.where(keep, tl.exp(tl.where(keep, s, 0.0) - tl.where(live, lse, 0.0)[:, None]), 0.0)
+    tl.store(mass_ptr + row * n + t, tl.sum(p, axis=0), mask=t < n)
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, k, v, valid, scale):
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale        # [G, N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return acc, m_new, l_i
+
+@triton.jit
+def _gathered_attention_kernel(q_ptr, sk_ptr, sv_ptr, sidx_ptr, stok_ptr, tk_ptr, tv_ptr, nk_ptr, nv_ptr,
+                               pad_ptr, out_ptr, lse_ptr, acc_ptr, ml_ptr, G, D, S, n_sel, n_tail, tail_start,
+                               split_len, scale, HAS_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row, split): the selected slots ``split*split_len ..`` of the row; split 0 also the tail
+    and the new token. One split: the normalised output and the log-sum-exp; several: each split's
+    unnormalised sum, max and sum of exponentials (``gathered_attention`` merges them)."""
+    row = tl.program_id(0)
+    sp = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + row * G * D + g[:, None] * D + d[None, :], mask=(g[:, None] < G) & dmask[None, :],
+                other=0.0).to(tl.float32)
+    first = 0
+    if HAS_PAD:
+        first = tl.load(pad_ptr + row)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    # (1) the selected slots, read by index
+    lo = sp * split_len
+    hi = tl.minimum(n_sel, lo + split_len)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        jm = j < hi
+        slot = tl.load(sidx_ptr + row * n_sel + j, mask=jm, other=0)
+        tok = tl.load(stok_ptr + row * n_sel + j, mask=jm, other=-1)
+        off = (row * S + slot)[:, None] * D + d[None, :]
+        km = jm[:, None] & dmask[None, :]
+        k = tl.load(sk_ptr + off, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(sv_ptr + off, mask=km, other=0.0).to(tl.float32)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, jm & (tok >= first), scale)
+    if sp == 0:
+        # (2) the contiguous tail (the window): token index tail_start + j
+        for start in range(0, n_tail, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jm = j < n_tail
+            off = (row * n_tail + j)[:, None] * D + d[None, :]
+            km = jm[:, None] & dmask[None, :]
+            k = tl.load(tk_ptr + off, mask=km, other=0.0).to(tl.float32)
+            v = tl.load(tv_ptr + off, mask=km, other=0.0).to(tl.float32)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, jm & (tail_start + j >= first), scale)
+        # (3) the new token (always visible: it follows the prompt's left padding)
+        j = tl.arange(0, BLOCK_N)
+        jm = j < 1
+        off = row * D + (j * 0)[:, None] * D + d[None, :]
+        km = jm[:, None] & dmask[None, :]
+        k = tl.load(nk_ptr + off, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(nv_ptr + off, mask=km, other=0.0).to(tl.float32)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, jm, scale)
+    gm = g < G
+    if SPLIT:
+        part = row * tl.num_programs(1) + sp
+        tl.store(acc_ptr + (part * G + g[:, None]) * D + d[None, :], acc, mask=gm[:, None] & dmask[None, :])
+        tl.store(ml_ptr + (part * 2) * G + g, m_i, mask=gm)
+        tl.store(ml_ptr + (part * 2 + 1) * G + g, l_i, mask=gm)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + row * G * D + g[:, None] * D + d[None, :], out, mask=gm[:, None] & dmask[None, :])
+        tl.store(lse_ptr + row * G + g, m_i + tl.log(l_i), mask=gm)
+
+
+def _get() -> dict:
+    return {"stats": _proxy_stats, "mass": _proxy_mass_kernel, "attention": _gathered_attention_kernel}
+
+
+def proxy_mass(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling: float,
+               first: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+    """Estimated attention mass ``[rows, n]`` (float32) of tokens ``0..n-1`` (n = ``candidates``).
+
+    ``q_hat`` ``[rows, G, r]``: the query factors of each factor head (row); ``a_k`` ``[rows, T, r]``
+    (``T >= n``, any float dtype, last dim contiguous): the key factors; ``first`` ``[rows]``: the first
+    visible token of each row (left padding), or None. The mass is the softmax of the scores over the
+    candidates per query, summed over the row's G queries (0 where a row has no visible candidate)."""
+    kern = _get()
+    rows, groups, rank = q_hat.shape
+    q_hat = q_hat.float().contiguous()
+    if a_k.stride(-1) != 1:
+        a_k = a_k.contiguous()
+    bg, br = _pow2(groups), _pow2(rank)
+    n_blocks = -(-candidates // block_n)
+    dev = q_hat.device
+    m = torch.empty(rows, n_blocks, bg, dtype=torch.float32, device=dev)
+    l_sum = torch.empty_like(m)
+    has_pad = first is not None
+    pad = first.to(dev, torch.int64).contiguous() if has_pad else q_hat     # dummy pointer without padding
+    grid = (rows, n_blocks)
+    kern["stats"][grid](q_hat, a_k, pad, m, l_sum, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
+                        float(scaling), n_blocks, HAS_PAD=has_pad, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
+    top = m.amax(dim=1, keepdim=True)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    lse = (top.squeeze(1) + torch.log((l_sum * torch.exp(m - top)).sum(1))).contiguous()   # [rows, BG]
+    mass = torch.empty(rows, candidates, dtype=torch.float32, device=dev)
+    kern["mass"][grid](q_hat, a_k, pad, lse, mass, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
+                       float(scaling), HAS_PAD=has_pad, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
+    return mass
+
+
+def proxy_mass_torch(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling: float,
+                     first: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle of ``proxy_mass`` (``LRQKLayer._select``'s torch ops)."""
+    logits = (q_hat.float() @ a_k[:, :candidates].float().transpose(-1, -2)) * scaling   # [rows, G, n]
+    if first is not None:
+        pad = torch.arange(candidates, device=logits.device)[None, :] < first.to(logits.device)[:, None]
+        logits = logits.masked_fill(pad[:, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(1)
+
+
+def gathered_attention(query: torch.Tensor, slot_k: torch.Tensor, slot_v: torch.Tensor, slot_index: torch.Tensor,
+                       slot_token: torch.Tensor, tail_k: torch.Tensor | None, tail_v: torch.Tensor | None,
+                       new_k: torch.Tensor, new_v: torch.Tensor, tail_start: int, scaling: float,
+                       first: torch.Tensor | None = None, block_n: int = 32,
+                       splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query [rows, G, d]`` over the slots ``slot_index [rows, k]`` of ``slot_k/slot_v
+    [rows, S, d]`` (holding tokens ``slot_token [rows, k]``), the tail ``[rows, n, d]`` (tokens
+    ``tail_start..``) and the new token ``[rows, d]``; tokens before ``first [rows]`` are hidden.
+    Returns ``(out [rows, G, d], lse [rows, G])`` float32.
+
+    ``splits``: programs per row over the selected slots (split-K, for few rows and many slots: a decode
+    step of one sequence has only B*H_kv rows); their partial sums are merged here. Default: enough to
+    give the device ~128 programs, at least 64 slots each."""
+    kern = _get()
+    rows, groups, dim = query.shape
+    q = query.contiguous()
+    slot_k, slot_v = slot_k.contiguous(), slot_v.contiguous()
+    n_sel = slot_index.shape[1] if slot_index is not None else 0
+    if n_sel:
+        sidx, stok = slot_index.contiguous(), slot_token.contiguous()
+    else:
+        sidx = stok = torch.zeros(rows, 1, dtype=torch.int64, device=q.device)
+    n_tail = tail_k.shape[1] if tail_k is not None else 0
+    if n_tail:
+        tk, tv = tail_k.contiguous(), tail_v.contiguous()
+    else:
+        tk, tv = new_k, new_v
+    nk, nv = new_k.reshape(rows, dim).contiguous(), new_v.reshape(rows, dim).contiguous()
+    if splits is None:
+        splits = max(1, min(128 // max(rows, 1), -(-n_sel // 64)))
+    split_len = -(-max(n_sel, 1) // max(1, splits))
+    split_len = -(-split_len // block_n) * block_n
+    splits = max(1, -(-n_sel // split_len))
+    out = torch.empty(rows, groups, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, groups, dtype=torch.float32, device=q.device)
+    acc = torch.empty(rows, splits, groups, dim, dtype=torch.float32, device=q.device) if splits > 1 else out
+    ml = torch.empty(rows, splits, 2, groups, dtype=torch.float32, device=q.device) if splits > 1 else lse
+    has_pad = first is not None
+    pad = first.to(q.device, torch.int64).contiguous() if has_pad else sidx
+    kern["attention"][(rows, splits)](q, slot_k, slot_v, sidx, stok, tk, tv, nk, nv, pad, out, lse, acc, ml, groups,
+                                      dim, slot_k.shape[1], n_sel, n_tail, int(tail_start), split_len, float(scaling),
+                                      HAS_PAD=has_pad, SPLIT=splits > 1, BLOCK_G=_pow2(groups),
+                                      BLOCK_D=_pow2(dim), BLOCK_N=block_n)
+    if splits > 1:   # merge the splits' partial softmax sums (split 0 always holds the new token: m finite)
+        m, l_sum = ml[:, :, 0], ml[:, :, 1]                                # [rows, splits, G]
+        top = m.amax(dim=1, keepdim=True)
+        w = torch.exp(m - top)                                             # 0 for a split with nothing visible
+        total = (w * l_sum).sum(1)
+        out = (w.unsqueeze(-1) * acc).sum(1) / total.unsqueeze(-1)
+        lse = top.squeeze(1) + torch.log(total)
+    return out, lse
+
+
+def gathered_attention_torch(query, slot_k, slot_v, slot_index, slot_token, tail_k, tail_v, new_k, new_v,
+                             tail_start, scaling, first=None):
+    """The oracle of ``gathered_attention``: a gathered copy, then plain softmax attention (float32)."""
+    rows, _, dim = query.shape
+    keys, values, index = [], [], []
+    if slot_index is not None and slot_index.shape[1]:
+        keys.append(slot_k.gather(1, slot_index[..., None].expand(-1, -1, dim)))
+        values.append(slot_v.gather(1, slot_index[..., None].expand(-1, -1, dim)))
+        index.append(slot_token)
+    if tail_k is not None and tail_k.shape[1]:
+        keys.append(tail_k)
+        values.append(tail_v)
+        index.append(torch.arange(tail_start, tail_start + tail_k.shape[1], device=query.device).expand(rows, -1))
+    keys.append(new_k.reshape(rows, 1, dim))
+    values.append(new_v.reshape(rows, 1, dim))
+    index.append(torch.full((rows, 1), 1 << 62, device=query.device))
+    k, v, idx = torch.cat(keys, 1).float(), torch.cat(values, 1).float(), torch.cat(index, 1)
+    s = (query.float() @ k.transpose(-1, -2)) * scaling
+    if first is not None:
+        s = s.masked_fill((idx < first.to(idx.device)[:, None])[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1) @ v, lse
