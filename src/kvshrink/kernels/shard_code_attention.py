@@ -1,0 +1,249 @@
+"""Triton kernels for Shard's compressed middle: `code_attention`, the GPU twin of
+`kvshrink.codecs.fused.code_attention` (same inputs, same outputs, so the layer calls either).
+
+One block of coded tokens is answered in two kernels and a small combine, without materialising the
+block's keys or values:
+
+1. `_scores_kernel`, grid ``(B * H_kv, token tiles)``: for a tile of tokens of one KV head, each PCA
+   coefficient is read from the packed key codes (bit offset, width and level table of every component
+   come from a `ComponentPlan`, precomputed once per block as device tensors), turned into its level, and
+   the tile's pre-RoPE keys are ``mean + coefficients @ scaled basis`` (one ``tl.dot`` per chunk of
+   components, even and odd RoPE channels apart); RoPE is one complex product per pair; the scores
+   against the grouped queries (row tiles, any number of rows) are written out ``[B, H_kv, R, n]``
+   (float32: scores, not keys).
+2. In torch, no host synchronisation: held (salient) rows are set to ``-inf`` by a scatter and the
+   log-sum-exp over the block is taken per row.
+3. `_bins_kernel`, grid ``(B * H_kv, value groups, row tiles)``: the softmax probabilities
+   ``exp(score - lse)`` summed per value codeword of the group: one ``tl.dot`` of the probability tile
+   with the one-hot of the tile's codes, accumulated over the tokens in the program (no atomics: the same
+   result on every run).
+
+Everything accumulates in float32 (``tl.dot`` with ``input_precision="ieee"``, no TF32); codes, bases and
+queries may be float16/bfloat16/float32. Triton is imported through `kvshrink.kernels.backend.triton`
+(interpreted on CPU tensors when no GPU exists), so this module is only imported on the GPU path.
+The kernels call only Triton builtins (``tl.full``, not the ``@jit`` helpers such as ``tl.zeros``): torch
+imports Triton before kvshrink can choose the interpreter, and the helpers decorated then cannot be
+called from an interpreted kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvshrink.kernels.backend import triton as _load_triton
+
+triton = _load_triton()
+import triton.language as tl  # noqa: E402  (after the backend chose interpreter or GPU)
+
+__all__ = ["ComponentPlan", "component_plan", "code_attention", "code_scores", "code_bins"]
+
+# Tile sizes: tokens per program, PCA components per dot, query rows per dot (all >= 16 for tl.dot).
+_BLOCK_N = 32
+_BLOCK_K = 32
+_BLOCK_R = 16
+
+
+@dataclass
+class ComponentPlan:
+    """Where each PCA component's code lies in a row of packed key codes, per scope, as device tensors
+    ``[S, r]`` int32: ``bit`` (bit offset in the row), ``bits`` (width; 0: the component was dropped,
+    its coefficient is 0), ``level`` (offset of its width's unit levels in ``levels``); ``levels``
+    float32. Derived from a `codecs.table_decoder.SlotPlan` (a few hundred integers per block)."""
+
+    bit: torch.Tensor
+    bits: torch.Tensor
+    level: torch.Tensor
+    levels: torch.Tensor
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.bit, self.bits, self.level, self.levels))
+
+
+def component_plan(plan, rank: int, device) -> ComponentPlan:
+    """The `ComponentPlan` of a `SlotPlan` whose scopes have at most ``rank`` components (the rows of
+    the scaled bases). Built on the host from the plan's numpy arrays, copied once to ``device``."""
+    import numpy as np
+
+    byte, shift, _, row, counts = plan.slots
+    n_scopes = len(counts)
+    at_row = {}
+    for s in range(n_scopes):
+        for k in range(int(counts[s])):
+            at_row[(s, int(row[s, k]))] = int(byte[s, k]) * 8 + int(shift[s, k])
+    bit = np.zeros((n_scopes, max(1, rank)), np.int32)
+    bits = np.zeros_like(bit)
+    level = np.zeros_like(bit)
+    for scope, first, real, width, _, slot_row, level_at in np.asarray(plan.jobs).reshape(-1, 7).tolist():
+        start = at_row[(scope, slot_row)]
+        for m in range(real):
+            bit[scope, first + m] = start + m * width
+            bits[scope, first + m] = width
+            level[scope, first + m] = level_at
+    levels = np.asarray(plan.levels, np.float32)
+    if levels.size == 0:
+        levels = np.zeros(1, np.float32)
+    return ComponentPlan(*(torch.from_numpy(a).to(device) for a in (bit, bits, level, levels)))
+
+
+def _pow2(x: int, low: int = 16) -> int:
+    return max(low, triton.next_power_of_2(max(1, x)))
+
+
+@triton.jit
+def _scores_kernel(codes_ptr, bit_ptr, bits_ptr, level_ptr, levels_ptr, scaled_ptr, mean_ptr, cos_ptr, sin_ptr,
+                   q_ptr, out_ptr, scaling, n, n_bytes, rank, width, heads, rows, heads_per_scope, n_scopes,
+                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    s = h // heads_per_scope
+    col0 = (h % heads_per_scope) * HEAD_DIM     # this head's columns in its scope's rows
+    half = HEAD_DIM // 2
+
+    offs_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = offs_t < n
+    offs_p = tl.arange(0, HALF)
+    p_ok = offs_p < half
+    even = col0 + 2 * offs_p
+    odd = even + 1
+
+    # pre-RoPE keys of the tile, even and odd channels of each RoPE pair apart, starting at the mean
+    mean_e = tl.load(mean_ptr + s * width + even, mask=p_ok, other=0.0).to(tl.float32)
+    mean_o = tl.load(mean_ptr + s * width + odd, mask=p_ok, other=0.0).to(tl.float32)
+    k_e = tl.full((BLOCK_N, HALF), 0.0, tl.float32) + mean_e[None, :]
+    k_o = tl.full((BLOCK_N, HALF), 0.0, tl.float32) + mean_o[None, :]
+
+    row_codes = codes_ptr + ((b * n_scopes + s) * n + offs_t) * n_bytes        # [BLOCK_N] row starts
+    for k0 in range(0, rank, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < rank
+        at = tl.load(bit_ptr + s * rank + offs_k, mask=k_ok, other=0)
+        nb = tl.load(bits_ptr + s * rank + offs_k, mask=k_ok, other=0)
+        lv = tl.load(level_ptr + s * rank + offs_k, mask=k_ok, other=0)
+        byte = at >> 3
+        shift = at & 7
+        live = t_ok[:, None] & (k_ok & (nb > 0))[None, :]
+        lo = tl.load(row_codes[:, None] + byte[None, :], mask=live, other=0).to(tl.int32)
+        two = live & ((shift + nb) > 8)[None, :]                                 # the code straddles bytes
+        hi = tl.load(row_codes[:, None] + byte[None, :] + 1, mask=two, other=0).to(tl.int32)
+        value = ((lo | (hi << 8)) >> shift[None, :]) & ((1 << nb[None, :]) - 1)
+        coeff = tl.load(levels_ptr + lv[None, :] + value, mask=live, other=0.0)      # [BLOCK_N, BLOCK_K]
+        basis = scaled_ptr + (s * rank + offs_k[:, None]) * width
+        b_ok = k_ok[:, None] & p_ok[None, :]
+        basis_e = tl.load(basis + even[None, :], mask=b_ok, other=0.0).to(tl.float32)  # [BLOCK_K, HALF]
+        basis_o = tl.load(basis + odd[None, :], mask=b_ok, other=0.0).to(tl.float32)
+        k_e = tl.dot(coeff, basis_e, k_e, input_precision="ieee")
+        k_o = tl.dot(coeff, basis_o, k_o, input_precision="ieee")
+
+    # RoPE: each pair times cos + i sin of its token
+    rope_at = (b * n + offs_t[:, None]) * half + offs_p[None, :]
+    rope_ok = t_ok[:, None] & p_ok[None, :]
+    c = tl.load(cos_ptr + rope_at, mask=rope_ok, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + rope_at, mask=rope_ok, other=0.0).to(tl.float32)
+    re = k_e * c - k_o * sn
+    im = k_e * sn + k_o * c
+
+    for r0 in range(0, rows, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rows
+        q_at = q_ptr + ((pid_bh * rows + offs_r[:, None]) * HEAD_DIM + 2 * offs_p[None, :])
+        q_ok = r_ok[:, None] & p_ok[None, :]
+        q_e = tl.load(q_at, mask=q_ok, other=0.0).to(tl.float32)
+        q_o = tl.load(q_at + 1, mask=q_ok, other=0.0).to(tl.float32)
+        sc = tl.dot(q_e, tl.trans(re), input_precision="ieee")
+        sc = tl.dot(q_o, tl.trans(im), sc, input_precision="ieee") * scaling          # [BLOCK_R, BLOCK_N]
+        tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], sc,
+                 mask=r_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _bins_kernel(scores_ptr, lse_ptr, vcodes_ptr, bins_ptr, n, v_bytes, rows, n_groups,
+                 V_BITS: tl.constexpr, ENTRIES: tl.constexpr, ENTRIES_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    g = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rows
+    lse = tl.load(lse_ptr + pid_bh * rows + offs_r, mask=r_ok, other=0.0)
+    bit = g * V_BITS
+    at = bit >> 3
+    shift = bit & 7
+    entry = tl.arange(0, ENTRIES_P)
+    acc = tl.full((BLOCK_R, ENTRIES_P), 0.0, tl.float32)
+    for t0 in range(0, n, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = offs_t < n
+        ok = r_ok[:, None] & t_ok[None, :]
+        sc = tl.load(scores_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], mask=ok,
+                     other=float("-inf"))
+        prob = tl.exp(sc - lse[:, None])                                                 # 0 where masked
+        row = vcodes_ptr + (pid_bh * n + offs_t) * v_bytes + at
+        lo = tl.load(row, mask=t_ok, other=0).to(tl.int32)
+        hi = tl.load(row + 1, mask=t_ok & ((offs_t * 0 + shift + V_BITS) > 8), other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> shift) & (ENTRIES - 1)
+        one_hot = (code[:, None] == entry[None, :]).to(tl.float32)                      # [BLOCK_N, ENTRIES_P]
+        acc = tl.dot(prob, one_hot, acc, input_precision="ieee")
+    tl.store(bins_ptr + (pid_bh * rows + offs_r[:, None]) * (n_groups * ENTRIES) + g * ENTRIES + entry[None, :],
+             acc, mask=r_ok[:, None] & (entry < ENTRIES)[None, :])
+
+
+def code_scores(codes: torch.Tensor, plan: ComponentPlan, scaled: torch.Tensor, mean: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Scaled scores ``[B, H_kv, R, n]`` float32 of grouped ``query [B, H_kv, R, d]`` (pair order)
+    against the block's keys rebuilt from ``codes [B, S, n, bytes]`` (see `code_attention`)."""
+    batch, heads, rows, head_dim = query.shape
+    n_scopes, n, n_bytes = codes.shape[1], codes.shape[2], codes.shape[3]
+    rank, width = scaled.shape[1], scaled.shape[2]
+    out = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=query.device)
+    if n == 0 or rows == 0:
+        return out
+    if rank == 0:   # no component kept: the keys are the means
+        scaled = torch.zeros(n_scopes, 1, width, dtype=torch.float32, device=query.device)
+        rank = 1
+    grid = (batch * heads, triton.cdiv(n, _BLOCK_N))
+    _scores_kernel[grid](codes.contiguous(), plan.bit, plan.bits, plan.level, plan.levels, scaled.contiguous(),
+                         mean.contiguous(), cos.contiguous(), sin.contiguous(), query.contiguous(), out,
+                         float(scaling), n, n_bytes, rank, width, heads, rows, heads // n_scopes, n_scopes,
+                         HEAD_DIM=head_dim, HALF=_pow2(head_dim // 2), BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+                         BLOCK_R=_BLOCK_R)
+    return out
+
+
+def code_bins(scores: torch.Tensor, lse: torch.Tensor, v_codes: torch.Tensor, v_bits: int,
+              n_groups: int) -> torch.Tensor:
+    """``bins [B, H_kv, R, n_groups * 2**v_bits]``: ``exp(scores - lse)`` summed per value group and
+    codeword (``lse`` finite: a fully masked row has scores ``-inf`` and gets zeros)."""
+    batch, heads, rows, n = scores.shape
+    entries = 1 << v_bits
+    bins = torch.zeros(batch, heads, rows, n_groups * entries, dtype=torch.float32, device=scores.device)
+    if n == 0 or rows == 0:
+        return bins
+    grid = (batch * heads, n_groups, triton.cdiv(rows, _BLOCK_R))
+    _bins_kernel[grid](scores.contiguous(), lse.contiguous(), v_codes.contiguous(), bins, n, v_codes.shape[-1],
+                       rows, n_groups, V_BITS=v_bits, ENTRIES=entries, ENTRIES_P=_pow2(entries),
+                       BLOCK_N=_BLOCK_N, BLOCK_R=_BLOCK_R)
+    return bins
+
+
+def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
+                   v_codes: torch.Tensor, v_bits: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kvshrink.codecs.fused.code_attention` on the GPU path: the same arguments (``plan`` a `SlotPlan`,
+    or its `ComponentPlan` already on the device, as the layer keeps it) and the same result,
+    ``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])`` float32, with no host
+    synchronisation (given a `ComponentPlan`)."""
+    if not isinstance(plan, ComponentPlan):
+        plan = component_plan(plan, scaled.shape[1], codes.device)
+    scores = code_scores(codes, plan, scaled, mean, cos, sin, query, scaling)
+    if hidden is not None and hidden.shape[-1]:
+        index = hidden.long().unsqueeze(2).expand(-1, -1, scores.shape[2], -1)
+        scores.scatter_(3, index, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # a row whose tokens are all held exact elsewhere has lse -inf: its probabilities are zeros
+    bins = code_bins(scores, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse), v_codes, v_bits, n_groups)
+    return bins, lse
