@@ -13,10 +13,10 @@ block's keys or values:
    (float32: scores, not keys).
 2. In torch, no host synchronisation: held (salient) rows are set to ``-inf`` by a scatter and the
    log-sum-exp over the block is taken per row.
-3. `_bins_kernel`, grid ``(B * H_kv, value groups, row tiles)``: the softmax probabilities
-   ``exp(score - lse)`` summed per value codeword of the group: one ``tl.dot`` of the probability tile
-   with the one-hot of the tile's codes, accumulated over the tokens in the program (no atomics: the same
-   result on every run).
+3. `_bins_kernel`, grid ``(B * H_kv, value group tiles, row tiles)``: the softmax probabilities
+   ``exp(score - lse)`` summed per value codeword of each group: one ``tl.dot`` of the probability tile
+   with the one-hot of the tile's codes (a few groups side by side, up to 256 columns), accumulated over
+   the tokens in the program (no atomics: the same result on every run).
 
 Everything accumulates in float32 (``tl.dot`` with ``input_precision="ieee"``, no TF32); codes, bases and
 queries may be float16/bfloat16/float32. Triton is imported through `kvshrink.kernels.backend.triton`
@@ -37,12 +37,30 @@ from kvshrink.kernels.backend import triton as _load_triton
 triton = _load_triton()
 import triton.language as tl  # noqa: E402  (after the backend chose interpreter or GPU)
 
-__all__ = ["ComponentPlan", "component_plan", "code_attention", "code_scores", "code_bins"]
+__all__ = ["ComponentPlan", "component_plan", "code_attention", "code_scores", "code_bins", "Tiles", "GPU_TILES"]
 
-# Tile sizes: tokens per program, PCA components per dot, query rows per dot (all >= 16 for tl.dot).
-_BLOCK_N = 32
-_BLOCK_K = 32
-_BLOCK_R = 16
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes (powers of two, >= 16 for ``tl.dot``): tokens per program / per step of the bins kernel,
+    PCA components per dot, query rows per dot, and one-hot columns per bins program (value groups x
+    codewords). They change the work per program, never the result."""
+
+    n: int = 32
+    k: int = 32
+    r: int = 16
+    bin_columns: int = 256
+
+
+GPU_TILES = Tiles()
+# The interpreter pays per operation, not per element: big tiles, few programs (tests run in seconds).
+INTERPRETER_TILES = Tiles(n=128, k=128, r=16, bin_columns=8192)
+
+
+def default_tiles() -> Tiles:
+    from kvshrink.kernels.backend import interpreting
+
+    return INTERPRETER_TILES if interpreting() else GPU_TILES
 
 
 @dataclass
@@ -162,19 +180,22 @@ def _scores_kernel(codes_ptr, bit_ptr, bits_ptr, level_ptr, levels_ptr, scaled_p
 
 @triton.jit
 def _bins_kernel(scores_ptr, lse_ptr, vcodes_ptr, bins_ptr, n, v_bytes, rows, n_groups,
-                 V_BITS: tl.constexpr, ENTRIES: tl.constexpr, ENTRIES_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
+                 V_BITS: tl.constexpr, ENTRIES: tl.constexpr, ENTRIES_P: tl.constexpr, GROUPS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # GROUPS value groups per program: their one-hots side by side, one dot of GROUPS * ENTRIES_P columns
     pid_bh = tl.program_id(0)
-    g = tl.program_id(1)
+    g0 = tl.program_id(1) * GROUPS
     pid_r = tl.program_id(2)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rows
     lse = tl.load(lse_ptr + pid_bh * rows + offs_r, mask=r_ok, other=0.0)
-    bit = g * V_BITS
+    offs_g = g0 + tl.arange(0, GROUPS)
+    g_ok = offs_g < n_groups
+    bit = offs_g * V_BITS
     at = bit >> 3
     shift = bit & 7
     entry = tl.arange(0, ENTRIES_P)
-    acc = tl.full((BLOCK_R, ENTRIES_P), 0.0, tl.float32)
+    acc = tl.full((BLOCK_R, GROUPS * ENTRIES_P), 0.0, tl.float32)
     for t0 in range(0, n, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_ok = offs_t < n
@@ -182,18 +203,23 @@ def _bins_kernel(scores_ptr, lse_ptr, vcodes_ptr, bins_ptr, n, v_bytes, rows, n_
         sc = tl.load(scores_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], mask=ok,
                      other=float("-inf"))
         prob = tl.exp(sc - lse[:, None])                                                 # 0 where masked
-        row = vcodes_ptr + (pid_bh * n + offs_t) * v_bytes + at
-        lo = tl.load(row, mask=t_ok, other=0).to(tl.int32)
-        hi = tl.load(row + 1, mask=t_ok & ((offs_t * 0 + shift + V_BITS) > 8), other=0).to(tl.int32)
-        code = ((lo | (hi << 8)) >> shift) & (ENTRIES - 1)
-        one_hot = (code[:, None] == entry[None, :]).to(tl.float32)                      # [BLOCK_N, ENTRIES_P]
-        acc = tl.dot(prob, one_hot, acc, input_precision="ieee")
-    tl.store(bins_ptr + (pid_bh * rows + offs_r[:, None]) * (n_groups * ENTRIES) + g * ENTRIES + entry[None, :],
-             acc, mask=r_ok[:, None] & (entry < ENTRIES)[None, :])
+        row = vcodes_ptr + (pid_bh * n + offs_t[:, None]) * v_bytes + at[None, :]       # [BLOCK_N, GROUPS]
+        live = t_ok[:, None] & g_ok[None, :]
+        lo = tl.load(row, mask=live, other=0).to(tl.int32)
+        hi = tl.load(row + 1, mask=live & ((shift + V_BITS) > 8)[None, :], other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> shift[None, :]) & (ENTRIES - 1)
+        one_hot = (code[:, :, None] == entry[None, None, :]).to(tl.float32)             # [BLOCK_N, GROUPS, E]
+        acc = tl.dot(prob, tl.reshape(one_hot, (BLOCK_N, GROUPS * ENTRIES_P)), acc, input_precision="ieee")
+    col = tl.arange(0, GROUPS * ENTRIES_P)
+    g = g0 + col // ENTRIES_P
+    e = col % ENTRIES_P
+    tl.store(bins_ptr + (pid_bh * rows + offs_r[:, None]) * (n_groups * ENTRIES) + (g * ENTRIES + e)[None, :],
+             acc, mask=r_ok[:, None] & ((g < n_groups) & (e < ENTRIES))[None, :])
 
 
 def code_scores(codes: torch.Tensor, plan: ComponentPlan, scaled: torch.Tensor, mean: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, scaling: float) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, scaling: float,
+                tiles: Tiles | None = None) -> torch.Tensor:
     """Scaled scores ``[B, H_kv, R, n]`` float32 of grouped ``query [B, H_kv, R, d]`` (pair order)
     against the block's keys rebuilt from ``codes [B, S, n, bytes]`` (see `code_attention`)."""
     batch, heads, rows, head_dim = query.shape
@@ -205,17 +231,18 @@ def code_scores(codes: torch.Tensor, plan: ComponentPlan, scaled: torch.Tensor, 
     if rank == 0:   # no component kept: the keys are the means
         scaled = torch.zeros(n_scopes, 1, width, dtype=torch.float32, device=query.device)
         rank = 1
-    grid = (batch * heads, triton.cdiv(n, _BLOCK_N))
+    tiles = tiles or default_tiles()
+    grid = (batch * heads, triton.cdiv(n, tiles.n))
     _scores_kernel[grid](codes.contiguous(), plan.bit, plan.bits, plan.level, plan.levels, scaled.contiguous(),
                          mean.contiguous(), cos.contiguous(), sin.contiguous(), query.contiguous(), out,
                          float(scaling), n, n_bytes, rank, width, heads, rows, heads // n_scopes, n_scopes,
-                         HEAD_DIM=head_dim, HALF=_pow2(head_dim // 2), BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-                         BLOCK_R=_BLOCK_R)
+                         HEAD_DIM=head_dim, HALF=_pow2(head_dim // 2), BLOCK_N=tiles.n, BLOCK_K=tiles.k,
+                         BLOCK_R=tiles.r)
     return out
 
 
 def code_bins(scores: torch.Tensor, lse: torch.Tensor, v_codes: torch.Tensor, v_bits: int,
-              n_groups: int) -> torch.Tensor:
+              n_groups: int, tiles: Tiles | None = None) -> torch.Tensor:
     """``bins [B, H_kv, R, n_groups * 2**v_bits]``: ``exp(scores - lse)`` summed per value group and
     codeword (``lse`` finite: a fully masked row has scores ``-inf`` and gets zeros)."""
     batch, heads, rows, n = scores.shape
@@ -223,27 +250,32 @@ def code_bins(scores: torch.Tensor, lse: torch.Tensor, v_codes: torch.Tensor, v_
     bins = torch.zeros(batch, heads, rows, n_groups * entries, dtype=torch.float32, device=scores.device)
     if n == 0 or rows == 0:
         return bins
-    grid = (batch * heads, n_groups, triton.cdiv(rows, _BLOCK_R))
+    tiles = tiles or default_tiles()
+    entries_p = _pow2(entries)
+    groups = min(triton.next_power_of_2(n_groups), max(1, tiles.bin_columns // entries_p))
+    grid = (batch * heads, triton.cdiv(n_groups, groups), triton.cdiv(rows, tiles.r))
     _bins_kernel[grid](scores.contiguous(), lse.contiguous(), v_codes.contiguous(), bins, n, v_codes.shape[-1],
-                       rows, n_groups, V_BITS=v_bits, ENTRIES=entries, ENTRIES_P=_pow2(entries),
-                       BLOCK_N=_BLOCK_N, BLOCK_R=_BLOCK_R)
+                       rows, n_groups, V_BITS=v_bits, ENTRIES=entries, ENTRIES_P=entries_p, GROUPS=groups,
+                       BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     return bins
 
 
 def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
-                   v_codes: torch.Tensor, v_bits: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   v_codes: torch.Tensor, v_bits: int, n_groups: int,
+                   tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`kvshrink.codecs.fused.code_attention` on the GPU path: the same arguments (``plan`` a `SlotPlan`,
     or its `ComponentPlan` already on the device, as the layer keeps it) and the same result,
     ``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])`` float32, with no host
     synchronisation (given a `ComponentPlan`)."""
     if not isinstance(plan, ComponentPlan):
         plan = component_plan(plan, scaled.shape[1], codes.device)
-    scores = code_scores(codes, plan, scaled, mean, cos, sin, query, scaling)
+    scores = code_scores(codes, plan, scaled, mean, cos, sin, query, scaling, tiles)
     if hidden is not None and hidden.shape[-1]:
         index = hidden.long().unsqueeze(2).expand(-1, -1, scores.shape[2], -1)
         scores.scatter_(3, index, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # a row whose tokens are all held exact elsewhere has lse -inf: its probabilities are zeros
-    bins = code_bins(scores, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse), v_codes, v_bits, n_groups)
+    bins = code_bins(scores, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse), v_codes, v_bits, n_groups,
+                     tiles)
     return bins, lse
