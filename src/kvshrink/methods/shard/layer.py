@@ -283,12 +283,15 @@ class ShardLayer(CacheLayer):
         first = ctx.past_len
         # With left padding the sinks are each row's first real tokens: keep every index below
         # max(pad) + sinks exact (padding included, masked in attention). Found once (the padding is the
-        # prompt's), not with a host sync every decode step.
-        if first == 0 or self._sinks_len is None:
+        # prompt's): found in prefill, not with a host sync every decode step.
+        if q > 1 or getattr(self, "_sinks_len", None) is None:
             self._sinks_len = self.cfg.sinks + (int(ctx.pad_len.max()) if ctx.pad_len is not None else 0)
         to_sinks = max(0, min(q, self._sinks_len - first))
-        # token indices on the host: the stores read their first index (no device round trip)
+        # token indices on the host: the stores read their first index (no device round trip); a store
+        # holding explicit indices (never Shard's contiguous runs, but kept correct) takes them on its device
         index = torch.arange(first, first + q)
+        if self.sinks.index is not None or self.window.index is not None:
+            index = ctx.new_index
         if to_sinks:
             self.sinks.append(key[:, :, :to_sinks], value[:, :, :to_sinks], index[:to_sinks])
         if to_sinks < q:
