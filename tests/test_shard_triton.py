@@ -363,6 +363,51 @@ def test_a_decode_step_on_the_gpu_path_reads_nothing_back(monkeypatch):
         bool(torch.ones(1))
 
 
+# ---- compiled for a GPU (no GPU needed) --------------------------------------------------------------------
+
+_COMPILE = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "0"          # compile, not interpret (no GPU here: ahead of time)
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from kvshrink.kernels import shard_code_attention as sca
+
+t, target = sca.GPU_TILES, GPUTarget("cuda", 90, 32)
+sig = dict(codes_ptr="*u8", bit_ptr="*i32", bits_ptr="*i32", level_ptr="*i32", levels_ptr="*fp32",
+           scaled_ptr="*bf16", mean_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16", out_ptr="*fp32",
+           scaling="fp32", n="i32", n_bytes="i32", rank="i32", width="i32", heads="i32", rows="i32",
+           heads_per_scope="i32", n_scopes="i32", HEAD_DIM="constexpr", HALF="constexpr", BLOCK_N="constexpr",
+           BLOCK_K="constexpr", BLOCK_R="constexpr")
+k = compile(ASTSource(sca._scores_kernel, sig, dict(HEAD_DIM=128, HALF=64, BLOCK_N=t.n, BLOCK_K=t.k, BLOCK_R=t.r)),
+            target=target)
+assert "cubin" in k.asm, list(k.asm)
+sig = dict(scores_ptr="*fp32", lse_ptr="*fp32", vcodes_ptr="*u8", bins_ptr="*fp32", n="i32", v_bytes="i32",
+           rows="i32", n_groups="i32", V_BITS="constexpr", ENTRIES="constexpr", ENTRIES_P="constexpr",
+           GROUPS="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr")
+for bits, groups in ((8, 1), (5, 8)):
+    k = compile(ASTSource(sca._bins_kernel, sig, dict(V_BITS=bits, ENTRIES=1 << bits, ENTRIES_P=max(16, 1 << bits),
+                                                       GROUPS=groups, BLOCK_N=t.n, BLOCK_R=t.r)), target=target)
+    assert "cubin" in k.asm, list(k.asm)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_an_h100_class_gpu():
+    """The kernels through Triton's whole GPU pipeline (TTIR, TTGIR, LLVM, PTX, ptxas) for sm_90 with the
+    GPU tiles, in a subprocess (Triton decorates kernels for the interpreter or the compiler at import):
+    what the interpreter cannot check (layouts, dot shapes, register/shared-memory limits)."""
+    import subprocess
+    import sys
+
+    nvidia = os.path.join(os.path.dirname(sys.modules["triton"].__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(nvidia):
+        pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
+    src = os.path.dirname(os.path.dirname(os.path.dirname(sca.__file__)))     # the kvshrink imported here
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 # ---- a real GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
