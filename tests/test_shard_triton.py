@@ -83,8 +83,9 @@ def assert_triton_equals_reference(cache, batch=1, q_lens=(1,), atol=2e-5, rtol=
 
 
 # Every code path of the kernels: key widths (byte-aligned 2/4/8 bits and straddling 3/5/6), components
-# dropped, one PCA per layer or per head, held (salient) rows, evicted rows, value groups and codebook
-# widths (straddling 5-bit codes too), per-column key scales, GQA ratios 1/2/4/8, head sizes 64 and 128.
+# dropped, one PCA per layer or per head, held (salient) rows, evicted rows, value groups 1/2/4 and code
+# widths 3/4/5 (straddling too; 8 bits in `test_kernel_with_8_bit_value_codes`), per-column key scales,
+# GQA ratios 1/2/4/8, head sizes 64 and 128.
 CASES = [
     (dict(key_bits=2.0), dict()),
     (dict(key_bits=3.0, pca_scope="layer"), dict()),
@@ -94,9 +95,9 @@ CASES = [
     (dict(key_bits=2.5, salient=0.05), dict(q_heads=8, kv_heads=1)),                   # GQA 8, held rows
     (dict(key_bits=2.5, salient=0.05, pca_scope="layer"), dict(head_dim=128)),
     (dict(key_bits=2.5, evict=0.1, salient=0.05), dict()),                             # evicted rows
-    (dict(v_group=1, v_codebook=32), dict()),                                          # 5-bit value codes
-    (dict(v_group=2, v_codebook=256), dict(head_dim=128)),                             # 8-bit value codes
-    (dict(key_weights="query", k_levels="uniform", v_group=2, v_codebook=8), dict()),  # 3-bit value codes
+    (dict(v_group=1, v_codebook=8), dict()),                                           # 3-bit value codes
+    (dict(v_group=2, v_codebook=32), dict(head_dim=128)),                              # 5-bit value codes
+    (dict(key_weights="query", v_group=2, v_codebook=16), dict()),    # (k_levels="uniform": 30 s to set up)
 ]
 
 
@@ -220,7 +221,7 @@ def kernel_inputs(batch=2, q_len=3, **opts):
 
 
 KERNEL_CASES = [dict(key_bits=2.0), dict(key_bits=5.0, pca_group=3, salient=0.05),
-                dict(key_bits=3.0, pca_scope="layer", v_group=1, v_codebook=32, shape=dict(q_heads=8, kv_heads=2))]
+                dict(key_bits=3.0, pca_scope="layer", v_group=2, v_codebook=32, shape=dict(q_heads=8, kv_heads=2))]
 
 
 @pytest.mark.parametrize("opts", KERNEL_CASES, ids=["2bit", "6bit-runs-held", "layer-scope-5bit-values"])
@@ -235,6 +236,19 @@ def test_kernel_equals_torch_oracle_and_numba(opts):
         numba_bins, numba_lse = fused.code_attention(*args)
         torch.testing.assert_close(bins, numba_bins, atol=2e-6, rtol=1e-4)
         torch.testing.assert_close(lse, numba_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_with_8_bit_value_codes():
+    """256 codewords per group (the default codebook's width; random codes: no codebook is needed)."""
+    args = kernel_inputs(batch=2, key_bits=2.0)
+    batch, heads, n = args[9].shape[:3]
+    args[9] = torch.randint(0, 256, (batch, heads, n, 16), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    args[10], args[11] = 8, 16
+    for tiles in (None, sca.GPU_TILES):
+        bins, lse = sca.code_attention(*args, tiles=tiles)
+        want_bins, want_lse = torch_code_attention(*args)
+        torch.testing.assert_close(bins, want_bins, atol=2e-6, rtol=1e-4)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_with_the_gpu_tiles_equals_the_interpreter_tiles():
@@ -271,6 +285,46 @@ def test_a_row_whose_tokens_are_all_held_contributes_nothing():
     args[8] = torch.arange(n, dtype=torch.int32).expand(1, heads, n).contiguous()   # every row held
     bins, lse = sca.code_attention(*args)
     assert torch.isneginf(lse).all() and bins.abs().sum() == 0
+
+
+# ---- the decode stream (TurboQuant codes) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dim,bits,qjl,rows", [(64, 4, False, 3), (64, 3, True, 20), (24, 2, False, 4),
+                                               (128, 8, True, 8), (128, 4, False, 32)])
+def test_stream_kernels_equal_the_torch_stream(dim, bits, qjl, rows):
+    """`turbo_attention` == `TurboQuantizer.inner_products` / softmax / `weighted_sum` (the CPU path's
+    stream partial): straddling 3-bit codes, the QJL sketch, a non-Hadamard rotation (24), row tiles."""
+    from kvshrink.codecs.lloyd_max import TurboQuantizer
+
+    g = torch.Generator().manual_seed(dim + bits)
+    turbo = TurboQuantizer(dim, bits, qjl=qjl, seed=1)
+    keys, values = (turbo.encode(torch.randn(2, 2, 45, dim, generator=g)) for _ in range(2))
+    q = torch.randn(2, 2, rows, dim, generator=g)
+    probs, want_lse = shard_layer._softmax_part(turbo.inner_products(q, keys) * 0.125)
+    want = turbo.weighted_sum(probs, values)
+    for tiles in (None, sca.GPU_TILES):
+        out, lse = sca.turbo_attention(turbo, q, keys, values, 0.125, tiles=tiles)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("opts", [dict(stream_bits=4), dict(stream_bits=3, qjl=True)])
+def test_the_layers_stream_partial_on_the_gpu_path(opts):
+    model = model_with(q_heads=8, kv_heads=2)
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, exact_dtype="model", **SMALL, **opts)
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        for t in range(5):
+            model(torch.tensor([[t + 1]]), past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.stream.n == 5
+    q = torch.randn(1, 8, 2, 64, generator=torch.Generator().manual_seed(1))
+    want = layer.stream_partial(q, cache._ctx.scaling)
+    with force_gpu_path():
+        got = layer.stream_partial(q, cache._ctx.scaling)
+    torch.testing.assert_close(got.out, want.out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
 
 
 # ---- no host synchronisation in a decode step on the GPU path -----------------------------------------
@@ -320,7 +374,7 @@ def no_host_sync(monkeypatch):
         return run
 
     monkeypatch.setattr(shard_layer, "exact_partial", paused(shard_layer.exact_partial))
-    for kernel in ("_scores_kernel", "_bins_kernel"):
+    for kernel in ("_scores_kernel", "_bins_kernel", "_stream_scores_kernel", "_stream_values_kernel"):
         launcher = getattr(sca, kernel)
         monkeypatch.setattr(sca, kernel, type("Launch", (), {"__getitem__": lambda self, grid, k=launcher:
                                                               paused(k[grid])})())
@@ -388,6 +442,18 @@ for bits, groups in ((8, 1), (5, 8)):
     k = compile(ASTSource(sca._bins_kernel, sig, dict(V_BITS=bits, ENTRIES=1 << bits, ENTRIES_P=max(16, 1 << bits),
                                                        GROUPS=groups, BLOCK_N=t.n, BLOCK_R=t.r)), target=target)
     assert "cubin" in k.asm, list(k.asm)
+common = dict(codes_ptr="*u8", norm_ptr="*fp16", centroids_ptr="*fp32", signs_ptr="*u8", qjl_norm_ptr="*fp16",
+              qjl_scale="fp32", n="i32", n_bytes="i32", sign_bytes="i32", rows="i32", dim="i32", BITS="constexpr",
+              QJL="constexpr", DP="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr")
+consts = dict(BITS=3, QJL=True, DP=128, BLOCK_N=t.n, BLOCK_R=t.r)
+sig = dict(common, q_ptr="*fp32", qs_ptr="*fp32", out_ptr="*fp32", scaling="fp32")
+sig = {name: sig[name] for name in sca._stream_scores_kernel.arg_names}
+k = compile(ASTSource(sca._stream_scores_kernel, sig, consts), target=target)
+assert "cubin" in k.asm, list(k.asm)
+sig = dict(common, scores_ptr="*fp32", lse_ptr="*fp32", out_ptr="*fp32", out_z_ptr="*fp32")
+sig = {name: sig[name] for name in sca._stream_values_kernel.arg_names}
+k = compile(ASTSource(sca._stream_values_kernel, sig, consts), target=target)
+assert "cubin" in k.asm, list(k.asm)
 print("compiled")
 """
 

@@ -18,6 +18,11 @@ block's keys or values:
    with the one-hot of the tile's codes (a few groups side by side, up to 256 columns), accumulated over
    the tokens in the program (no atomics: the same result on every run).
 
+The decode stream (tokens that left the window while decoding, TurboQuant codes) has its own two kernels,
+`turbo_attention`: scores straight from the codes against the rotated queries (QJL sketch term included),
+then the probabilities times the norms summed against the codes' centroids; only the queries' rotation,
+the log-sum-exp and the final unrotation are torch ops.
+
 Everything accumulates in float32 (``tl.dot`` with ``input_precision="ieee"``, no TF32); codes, bases and
 queries may be float16/bfloat16/float32. Triton is imported through `kvshrink.kernels.backend.triton`
 (interpreted on CPU tensors when no GPU exists), so this module is only imported on the GPU path.
@@ -279,3 +284,136 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     bins = code_bins(scores, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse), v_codes, v_bits, n_groups,
                      tiles)
     return bins, lse
+
+
+# ---- the decode stream: TurboQuant codes -------------------------------------------------------------------
+
+@triton.jit
+def _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS: tl.constexpr):
+    """``[BLOCK_N, DP]`` centroids of the tokens' codes (coordinate ``i`` at bit ``i * BITS``)."""
+    bit = offs_i * BITS
+    at = (row0 + offs_t[:, None]) * n_bytes + (bit >> 3)[None, :]
+    ok = t_ok[:, None] & i_ok[None, :]
+    lo = tl.load(codes_ptr + at, mask=ok, other=0).to(tl.int32)
+    hi = tl.load(codes_ptr + at + 1, mask=ok & (((bit & 7) + BITS) > 8)[None, :], other=0).to(tl.int32)
+    code = ((lo | (hi << 8)) >> (bit & 7)[None, :]) & ((1 << BITS) - 1)
+    return tl.load(centroids_ptr + code, mask=ok, other=0.0)
+
+
+@triton.jit
+def _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes):
+    """``[BLOCK_N, DP]`` QJL signs (+-1) of the tokens, 0 outside."""
+    at = (row0 + offs_t[:, None]) * sign_bytes + (offs_i >> 3)[None, :]
+    ok = t_ok[:, None] & i_ok[None, :]
+    byte = tl.load(signs_ptr + at, mask=ok, other=0).to(tl.int32)
+    bit = (byte >> (offs_i & 7)[None, :]) & 1
+    return tl.where(ok, bit.to(tl.float32) * 2.0 - 1.0, 0.0)
+
+
+@triton.jit
+def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, qjl_norm_ptr, qs_ptr, out_ptr,
+                          scaling, qjl_scale, n, n_bytes, sign_bytes, rows, dim,
+                          BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_R: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = offs_t < n
+    offs_i = tl.arange(0, DP)
+    i_ok = offs_i < dim
+    row0 = pid_bh * n
+    y = _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
+    norm = tl.load(norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+    if QJL:
+        z = _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
+        resid = tl.load(qjl_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
+    for r0 in range(0, rows, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rows
+        q_at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
+        q = tl.load(q_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
+        sc = tl.dot(q, tl.trans(y), input_precision="ieee")
+        if QJL:
+            qs = tl.load(qs_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
+            sc += tl.dot(qs, tl.trans(z), input_precision="ieee") * resid[None, :]
+        sc = sc * norm[None, :] * scaling
+        tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], sc,
+                 mask=r_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_ptr, signs_ptr, qjl_norm_ptr,
+                          out_ptr, out_z_ptr, qjl_scale, n, n_bytes, sign_bytes, rows, dim,
+                          BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_R: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rows
+    offs_i = tl.arange(0, DP)
+    i_ok = offs_i < dim
+    row0 = pid_bh * n
+    lse = tl.load(lse_ptr + pid_bh * rows + offs_r, mask=r_ok, other=0.0)
+    acc = tl.full((BLOCK_R, DP), 0.0, tl.float32)
+    acc_z = tl.full((BLOCK_R, DP), 0.0, tl.float32)
+    for t0 in range(0, n, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = offs_t < n
+        sc = tl.load(scores_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :],
+                     mask=r_ok[:, None] & t_ok[None, :], other=float("-inf"))
+        norm = tl.load(norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+        w = tl.exp(sc - lse[:, None]) * norm[None, :]
+        y = _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
+        acc = tl.dot(w, y, acc, input_precision="ieee")
+        if QJL:
+            z = _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
+            resid = tl.load(qjl_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
+            acc_z = tl.dot(w * resid[None, :], z, acc_z, input_precision="ieee")
+    at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
+    tl.store(out_ptr + at, acc, mask=r_ok[:, None] & i_ok[None, :])
+    if QJL:
+        tl.store(out_z_ptr + at, acc_z, mask=r_ok[:, None] & i_ok[None, :])
+
+
+def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
+                    tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped ``query [B, H_kv, R, d]`` over TurboQuant-coded ``keys`` and ``values``
+    (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors, quantizer ``turbo``), with no host
+    synchronisation and nothing decoded to memory: ``(out [B, H_kv, R, d], lse [B, H_kv, R])`` float32,
+    `TurboQuantizer.inner_products` / `weighted_sum` in two kernels (scores from the codes against the
+    rotated queries, QJL sketch term included; probabilities times norms summed against the codes' centroids).
+    """
+    tiles = tiles or default_tiles()
+    import math
+
+    batch, heads, rows, dim = query.shape
+    n = keys.codes.shape[2]
+    device = query.device
+    centroids, _, sketch, _ = turbo._tables(device)
+    qrot = turbo.rotation.rotate(query.float()).contiguous()
+    qjl = turbo.qjl
+    qjl_scale = math.sqrt(math.pi / 2) / dim
+    dp = _pow2(dim)
+    dummy = torch.zeros(1, device=device)
+
+    def qjl_args(code):
+        if not qjl:
+            return dummy, dummy, 1
+        return code.qjl_signs.contiguous(), code.qjl_norm.contiguous(), code.qjl_signs.shape[-1]
+
+    scores = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=device)
+    signs, qjl_norm, sign_bytes = qjl_args(keys)
+    qs = (qrot @ sketch.T).contiguous() if qjl else dummy
+    _stream_scores_kernel[(batch * heads, triton.cdiv(n, tiles.n))](
+        keys.codes.contiguous(), keys.norm.contiguous(), centroids, qrot, signs, qjl_norm, qs, scores,
+        float(scaling), qjl_scale, n, keys.codes.shape[-1], sign_bytes, rows, dim,
+        BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.empty(batch, heads, rows, dim, dtype=torch.float32, device=device)
+    out_z = torch.empty_like(out) if qjl else dummy
+    signs, qjl_norm, sign_bytes = qjl_args(values)
+    _stream_values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
+        scores, lse, values.codes.contiguous(), values.norm.contiguous(), centroids, signs, qjl_norm, out, out_z,
+        qjl_scale, n, values.codes.shape[-1], sign_bytes, rows, dim,
+        BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    if qjl:
+        out = out + out_z @ sketch
+    return turbo.rotation.unrotate(out), lse

@@ -66,7 +66,7 @@ class ShardConfig:
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
     kernel: str = option("reference", "middle-segment decode on CPU: 'reference' (torch ops) or 'fast' (fused "
                          "numba kernel, 3-11% faster after a one-off compile; needs kvshrink[fast]). On CUDA "
-                         "tensors the Triton kernels decode the middle whatever this says (when Triton is "
+                         "tensors Triton kernels decode the middle and the stream whatever this says (when Triton is "
                          "installed: kvshrink[gpu]; else the torch ops)", choices=KERNELS)
 
     def __post_init__(self):

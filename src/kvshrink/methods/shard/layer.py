@@ -160,9 +160,10 @@ class ShardLayer(CacheLayer):
         return self.reference_middle_partials(block, query, ctx)
 
     def use_triton_kernel(self, query: torch.Tensor) -> bool:
-        """The GPU path (`kernels.backend.gpu_path`) takes the Triton kernels whatever ``kernel`` says, when
-        Triton imports: the reference path syncs with the host (table bounds) and ``kernel`` chooses between
-        CPU implementations; the reference stays callable as the oracle (`reference_middle_partials`)."""
+        """The GPU path (`kernels.backend.gpu_path`) takes the Triton kernels (middle blocks and the stream)
+        whatever ``kernel`` says, when Triton imports: the reference path syncs with the host (table
+        bounds) and ``kernel`` chooses between CPU implementations; the reference stays callable as the
+        oracle (`reference_middle_partials`)."""
         return backend.gpu_path(query) and backend.triton_available()
 
     def use_fast_kernel(self, query: torch.Tensor) -> bool:
@@ -271,6 +272,12 @@ class ShardLayer(CacheLayer):
     def stream_partial(self, query: torch.Tensor, scaling: float) -> Partial:
         qg = group_queries(query.float(), self.h_kv)
         turbo = self.shared.turbo
+        if self.use_triton_kernel(query):
+            # the Triton kernels: scores and weighted sums straight from the codes, nothing decoded
+            from kvshrink.kernels.shard_code_attention import turbo_attention
+
+            out, lse = turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling)
+            return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
         probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
         out = turbo.weighted_sum(probs, self.stream.values)
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
