@@ -478,26 +478,40 @@ def test_kernels_compile_for_an_h100_class_gpu():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("opts", [dict(key_bits=2.5, salient=0.05), dict(key_bits=3.0, pca_scope="layer", evict=0.1)])
+@pytest.mark.parametrize("opts", [dict(key_bits=2.5, salient=0.05),
+                                  dict(key_bits=3.0, pca_scope="layer", evict=0.1, qjl=True, stream_bits=3)])
 def test_triton_equals_reference_on_cuda_in_bf16(opts):
+    """On a real GPU in bf16: every block's Triton partial == the reference path's, the stream's == the
+    torch stream's, and neither synchronises with the host (CUDA's sync debug mode raises)."""
     opts = {"v_group": 4, "v_codebook": 256, **opts}     # the default codebook
     model = model_with(head_dim=128, q_heads=8, kv_heads=2, layers=2, dtype=torch.bfloat16)
     model = copy.deepcopy(model).cuda()
     cache = shard_cache(model, tokens=600, **opts)
+    with torch.no_grad():
+        for t in range(20):                              # the window overflows: a stream of TurboQuant codes
+            model(torch.tensor([[t + 1]], device="cuda"), past_key_values=cache)
     g = torch.Generator(device="cuda").manual_seed(3)
+    ctx = cache._ctx
     for layer in cache.layers:
+        assert layer.stream.n > 0 and layer.middle
+        q = (torch.randn(1, 8, 1, 128, generator=g, device="cuda") * 2).to(torch.bfloat16)
+        assert layer.use_triton_kernel(q)
         for block in layer.middle:
-            q = (torch.randn(1, 8, 1, 128, generator=g, device="cuda") * 2).to(torch.bfloat16)
-            assert layer.use_triton_kernel(q)
-            layer.middle_partials(block, q, cache._ctx)     # first use: the block's plans to the device
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")     # the kernels' path: no host synchronisation
-            try:
-                got = merge_partials(layer.middle_partials(block, q, cache._ctx))
-                stream = layer.stream_partial(q, cache._ctx.scaling) if layer.stream.n else None
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            del stream
-            want = merge_partials(layer.reference_middle_partials(block, q, cache._ctx))
-            torch.testing.assert_close(got.out, want.out, atol=1e-4, rtol=1e-3)
-            torch.testing.assert_close(got.lse, want.lse, atol=1e-4, rtol=1e-4)
+            layer.middle_partials(block, q, ctx)         # first use: the block's plans to the device
+        layer.stream_partial(q, ctx.scaling)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")          # the kernels' path: no host synchronisation
+        try:
+            got = [merge_partials(layer.middle_partials(block, q, ctx)) for block in layer.middle]
+            stream = layer.stream_partial(q, ctx.scaling)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for block, part in zip(layer.middle, got):
+            want = merge_partials(layer.reference_middle_partials(block, q, ctx))
+            torch.testing.assert_close(part.out, want.out, atol=1e-4, rtol=1e-3)
+            torch.testing.assert_close(part.lse, want.lse, atol=1e-4, rtol=1e-4)
+        turbo, qg = layer.shared.turbo, group_queries(q.float(), layer.h_kv)
+        probs, lse = shard_layer._softmax_part(turbo.inner_products(qg, layer.stream.keys) * ctx.scaling)
+        out = turbo.weighted_sum(probs, layer.stream.values)
+        torch.testing.assert_close(stream.out, out.reshape(stream.out.shape), atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(stream.lse, lse.reshape(stream.lse.shape), atol=1e-4, rtol=1e-4)
