@@ -39,8 +39,8 @@ import torch
 
 from kvshrink.kernels.backend import triton as _load_triton
 
-triton = _load_triton()
-import triton.language as tl  # noqa: E402  (after the backend chose interpreter or GPU)
+triton = _load_triton()     # the backend chose interpreter or GPU before (or despite) the import
+tl = triton.language
 
 __all__ = ["ComponentPlan", "component_plan", "code_attention", "code_scores", "code_bins", "Tiles", "GPU_TILES"]
 
