@@ -64,9 +64,10 @@ class ShardConfig:
     observe: int = option(32, "last prompt queries whose attention picks the salient tokens", low=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
-    kernel: str = option("reference", "middle-segment decode: 'reference' (torch ops) or 'fast' (fused numba "
-                         "kernel on CPU, 3-11% faster after a one-off compile; needs kvshrink[fast])",
-                         choices=KERNELS)
+    kernel: str = option("reference", "middle-segment decode on CPU: 'reference' (torch ops) or 'fast' (fused "
+                         "numba kernel, 3-11% faster after a one-off compile; needs kvshrink[fast]). On CUDA "
+                         "tensors Triton kernels decode the middle and the stream whatever this says (when Triton is "
+                         "installed: kvshrink[gpu]; else the torch ops)", choices=KERNELS)
 
     def __post_init__(self):
         try:

@@ -17,6 +17,7 @@ from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
 from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, scaled_bases, slot_plan
 from kvshrink.codecs.vq import assign_codes, fit_codebook
+from kvshrink.kernels import backend
 from kvshrink.methods.shard.salient import observed_importance, pick_salient, tokens_to_keep
 from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stacked_codes
 from kvshrink.methods.shard.shared import ShardShared
@@ -53,6 +54,7 @@ class ShardLayer(CacheLayer):
         self.decoding = False
         self._query_energy: torch.Tensor | None = None   # key_weights="query": [H_kv, d] of the prompt
         self._observer: torch.Tensor | None = None       # salient > 0: the chunk's last queries, grouped
+        self._sinks_len: int | None = None               # sinks + the prompt's most left padding
 
     def shared_on_fork(self) -> list:
         return list(self.middle)  # a compressed block is never changed once made
@@ -151,13 +153,22 @@ class ShardLayer(CacheLayer):
         return self.shared.rotation.unrotate(rotated * block.v_scale.float()[None, :, None, :])
 
     def middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        if self.use_triton_kernel(query):
+            return [self.triton_middle_partial(block, query, ctx)]
         if self.use_fast_kernel(query):
             return [self.fused_middle_partial(block, query, ctx)]
         return self.reference_middle_partials(block, query, ctx)
 
+    def use_triton_kernel(self, query: torch.Tensor) -> bool:
+        """The GPU path (`kernels.backend.gpu_path`) takes the Triton kernels (middle blocks and the stream)
+        whatever ``kernel`` says, when Triton imports: the reference path syncs with the host (table
+        bounds) and ``kernel`` chooses between CPU implementations; the reference stays callable as the
+        oracle (`reference_middle_partials`)."""
+        return backend.gpu_path(query) and backend.triton_available()
+
     def use_fast_kernel(self, query: torch.Tensor) -> bool:
         rows = query.shape[1] // self.h_kv * query.shape[2]
-        return self.shared.fast and query.device.type == "cpu" and rows <= _FAST_ROWS
+        return self.shared.fast and query.device.type == "cpu" and rows <= _FAST_ROWS and not backend.gpu_path(query)
 
     def fused_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
         """The block's partial from `codecs.fused.code_attention`: one pass over its packed key codes
@@ -176,6 +187,57 @@ class ShardLayer(CacheLayer):
             block.v_codes, int(math.log2(k_entries)), self.d // group)
         out = self.values_from_bins(block, bins)
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+
+    def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
+        """The block's partial from the Triton kernels (`kernels.shard_code_attention`): the same result
+        as `fused_middle_partial`, on any device, with no host synchronisation once the block's
+        `ComponentPlan` and kept rows are on the device (built on first use, kept on the block). Query
+        rows are taken in slices whose scores stay under ``_SCORE_ELEMENTS`` (prefill-with-past)."""
+        from kvshrink.kernels import shard_code_attention as sca
+
+        pairs = pair_order(self.d, device=query.device)
+        qg = group_queries(query.float(), self.h_kv)[..., pairs].contiguous()  # keys come in pair order
+        plan = self.slot_plan(block)
+        device_plan = self.device_plan(block, plan)
+        scaled, mean = scaled_bases(block.keys, plan.columns)
+        cos, sin = self.shared.pair_rope(ctx, block.start, block.covers, self.block_rows(block))
+        hidden = None if block.salient is None else block.salient.index
+        k_entries, group = block.v_codebook.shape
+        codes = stacked_codes(block.keys)
+        b, _, r, _ = qg.shape
+        step = max(1, min(r, _SCORE_ELEMENTS // max(1, b * self.h_kv * block.n)))
+        bins, lse = [], []
+        for start in range(0, r, step):
+            part = sca.code_attention(codes, device_plan, scaled, mean, cos, sin, qg[:, :, start:start + step],
+                                      ctx.scaling, hidden, block.v_codes, int(math.log2(k_entries)), self.d // group)
+            bins.append(part[0]), lse.append(part[1])
+        bins, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in (bins, lse))
+        out = self.values_from_bins(block, bins)
+        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+
+    def device_plan(self, block: MiddleBlock, plan: SlotPlan | None = None):
+        """The block's `kernels.shard_code_attention.ComponentPlan` (bit offset, width and level table of
+        each key component, int32 on the block's device), built on first use and kept on the block like
+        its slot plan (counted in `breakdown`)."""
+        from kvshrink.kernels.shard_code_attention import component_plan
+
+        cached = getattr(block, "_device_plan", None)
+        if cached is None:
+            plan = plan or self.slot_plan(block)
+            rank = max(code.rank for code in block.keys)
+            cached = component_plan(plan, rank, block.v_codes.device)
+            block._device_plan = cached
+        return cached
+
+    def block_rows(self, block: MiddleBlock) -> torch.Tensor | None:
+        """`MiddleBlock.rows`, kept on the block after the first call (found with a host sync once per
+        block, not per step; set when the block is made when it is made on the GPU path)."""
+        if block.kept is None:
+            return None
+        rows = getattr(block, "_rows", None)
+        if rows is None:
+            rows = block._rows = block.rows()
+        return rows
 
     def slot_plan(self, block: MiddleBlock) -> SlotPlan:
         """The block's `SlotPlan` (key codes' run layout as integers, a few hundred bytes), built on first
@@ -210,6 +272,12 @@ class ShardLayer(CacheLayer):
     def stream_partial(self, query: torch.Tensor, scaling: float) -> Partial:
         qg = group_queries(query.float(), self.h_kv)
         turbo = self.shared.turbo
+        if self.use_triton_kernel(query):
+            # the Triton kernels: scores and weighted sums straight from the codes, nothing decoded
+            from kvshrink.kernels.shard_code_attention import turbo_attention
+
+            out, lse = turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling)
+            return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
         probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
         out = turbo.weighted_sum(probs, self.stream.values)
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
@@ -221,13 +289,20 @@ class ShardLayer(CacheLayer):
             self.decoding = True
         first = ctx.past_len
         # With left padding the sinks are each row's first real tokens: keep every index below
-        # max(pad) + sinks exact (padding included, masked in attention).
-        sinks_len = self.cfg.sinks + (int(ctx.pad_len.max()) if ctx.pad_len is not None else 0)
-        to_sinks = max(0, min(q, sinks_len - first))
+        # max(pad) + sinks exact (padding included, masked in attention). Found once (the padding is the
+        # prompt's): found in prefill, not with a host sync every decode step.
+        if q > 1 or getattr(self, "_sinks_len", None) is None:
+            self._sinks_len = self.cfg.sinks + (int(ctx.pad_len.max()) if ctx.pad_len is not None else 0)
+        to_sinks = max(0, min(q, self._sinks_len - first))
+        # token indices on the host: the stores read their first index (no device round trip); a store
+        # holding explicit indices (never Shard's contiguous runs, but kept correct) takes them on its device
+        index = torch.arange(first, first + q)
+        if self.sinks.index is not None or self.window.index is not None:
+            index = ctx.new_index
         if to_sinks:
-            self.sinks.append(key[:, :, :to_sinks], value[:, :, :to_sinks], ctx.new_index[:to_sinks])
+            self.sinks.append(key[:, :, :to_sinks], value[:, :, :to_sinks], index[:to_sinks])
         if to_sinks < q:
-            self.window.append(key[:, :, to_sinks:], value[:, :, to_sinks:], ctx.new_index[to_sinks:])
+            self.window.append(key[:, :, to_sinks:], value[:, :, to_sinks:], index[to_sinks:])
         overflow = len(self.window) - self.cfg.window
         if overflow <= 0:
             return
@@ -281,11 +356,12 @@ class ShardLayer(CacheLayer):
         importance = None
         if observer is not None and (self.cfg.salient > 0 or self.cfg.evict > 0):
             importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
-        span, kept, rows = key.shape[2], None, None
+        span, kept, rows, kept_rows = key.shape[2], None, None, None
         if importance is not None and self.cfg.evict > 0:
             keep = tokens_to_keep(importance, self.cfg.evict)
             if not bool(keep.all()):
                 rows = keep.nonzero().squeeze(-1)
+                kept_rows = rows
                 key, value, importance = key[:, :, rows], value[:, :, rows], importance[..., rows]
                 kept = pack_bits(keep.to(torch.uint8), 1)
         keys = self.encode_keys(key, start, ctx, rows, span)
@@ -293,8 +369,11 @@ class ShardLayer(CacheLayer):
         salient = None
         if self.cfg.salient > 0 and importance is not None:
             salient = pick_salient(importance, key, value, self.cfg.salient, self.sinks.dtype)
-        return MiddleBlock(start=start, n=key.shape[2], keys=keys, v_codes=v_codes, v_codebook=codebook,
-                           v_scale=scale, salient=salient, kept=kept, span=span if kept is not None else 0)
+        block = MiddleBlock(start=start, n=key.shape[2], keys=keys, v_codes=v_codes, v_codebook=codebook,
+                            v_scale=scale, salient=salient, kept=kept, span=span if kept is not None else 0)
+        if kept_rows is not None and backend.gpu_path(key):
+            block._rows = kept_rows  # the decode steps' RoPE positions, without a sync on first use
+        return block
 
     def encode_keys(self, key: torch.Tensor, start: int, ctx: StepContext, rows: torch.Tensor | None = None,
                     span: int = 0) -> list[PCACode]:
@@ -387,6 +466,10 @@ class ShardLayer(CacheLayer):
         # the fast kernel's per-block slot plans (integers, built on first decode step)
         plans = [getattr(block, "_slot_plan", None) for block in self.middle]
         out["middle_slot_plans"] = sum(plan.nbytes() for plan in plans if plan is not None)
+        # the GPU path's per-block device plans and kept rows (built on first use there), when held
+        derived = [getattr(block, name, None) for block in self.middle for name in ("_device_plan", "_rows")]
+        out["middle_device_plans"] = sum(x.nbytes() if hasattr(x, "nbytes") and callable(x.nbytes)
+                                         else x.numel() * x.element_size() for x in derived if x is not None)
         return out
 
     def nbytes(self) -> int:
@@ -399,4 +482,4 @@ class ShardLayer(CacheLayer):
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
         self.sinks, self.window = ExactStore(dtype), ExactStore(dtype)
         self.middle, self.stream, self.decoding = [], TurboSegment(), False
-        self._query_energy = self._observer = None
+        self._query_energy = self._observer = self._sinks_len = None

@@ -13,6 +13,10 @@ from kvshrink.codecs.pca import PCACode
 from kvshrink.methods.shard.salient import SalientTokens
 
 
+# What the decode kernels keep on a block, derived from its fields (not saved, rebuilt on first use).
+_DERIVED = ("_slot_plan", "_device_plan", "_rows")
+
+
 @dataclass
 class MiddleBlock:
     """One prefill chunk's compressed middle tokens: ``start .. start+n-1``, or, when some were evicted,
@@ -47,8 +51,9 @@ class MiddleBlock:
         return rows.to(device) + self.start
 
     def __getstate__(self) -> dict:
-        # the fast kernel's slot plan is derived (and holds numpy arrays): rebuilt on first use
-        return {k: v for k, v in self.__dict__.items() if k != "_slot_plan"}
+        # the fast kernels' plans and the kept rows are derived (numpy arrays, device tensors): rebuilt on
+        # first use
+        return {k: v for k, v in self.__dict__.items() if k not in _DERIVED}
 
     def parts(self) -> dict[str, list[torch.Tensor]]:
         k = {kind: [t for code in self.keys for t in code.parts()[kind]] for kind in ("codes", "scales", "bases")}

@@ -1,0 +1,419 @@
+"""Triton kernels for Shard's compressed middle: `code_attention`, the GPU twin of
+`kvshrink.codecs.fused.code_attention` (same inputs, same outputs, so the layer calls either).
+
+One block of coded tokens is answered in two kernels and a small combine, without materialising the
+block's keys or values:
+
+1. `_scores_kernel`, grid ``(B * H_kv, token tiles)``: for a tile of tokens of one KV head, each PCA
+   coefficient is read from the packed key codes (bit offset, width and level table of every component
+   come from a `ComponentPlan`, precomputed once per block as device tensors), turned into its level, and
+   the tile's pre-RoPE keys are ``mean + coefficients @ scaled basis`` (one ``tl.dot`` per chunk of
+   components, even and odd RoPE channels apart); RoPE is one complex product per pair; the scores
+   against the grouped queries (row tiles, any number of rows) are written out ``[B, H_kv, R, n]``
+   (float32: scores, not keys).
+2. In torch, no host synchronisation: held (salient) rows are set to ``-inf`` by a scatter and the
+   log-sum-exp over the block is taken per row.
+3. `_bins_kernel`, grid ``(B * H_kv, value group tiles, row tiles)``: the softmax probabilities
+   ``exp(score - lse)`` summed per value codeword of each group: one ``tl.dot`` of the probability tile
+   with the one-hot of the tile's codes (a few groups side by side, up to 256 columns), accumulated over
+   the tokens in the program (no atomics: the same result on every run).
+
+The decode stream (tokens that left the window while decoding, TurboQuant codes) has its own two kernels,
+`turbo_attention`: scores straight from the codes against the rotated queries (QJL sketch term included),
+then the probabilities times the norms summed against the codes' centroids; only the queries' rotation,
+the log-sum-exp and the final unrotation are torch ops.
+
+Everything accumulates in float32 (``tl.dot`` with ``input_precision="ieee"``, no TF32); codes, bases and
+queries may be float16/bfloat16/float32. Triton is imported through `kvshrink.kernels.backend.triton`
+(interpreted on CPU tensors when no GPU exists), so this module is only imported on the GPU path.
+The kernels call only Triton builtins (``tl.full``, not the ``@jit`` helpers such as ``tl.zeros``): torch
+imports Triton before kvshrink can choose the interpreter, and the helpers decorated then cannot be
+called from an interpreted kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvshrink.kernels.backend import triton as _load_triton
+
+triton = _load_triton()     # the backend chose interpreter or GPU before (or despite) the import
+tl = triton.language
+
+__all__ = ["ComponentPlan", "component_plan", "code_attention", "code_scores", "code_bins", "Tiles", "GPU_TILES"]
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes (powers of two, >= 16 for ``tl.dot``): tokens per program / per step of the bins kernel,
+    PCA components per dot, query rows per dot, and one-hot columns per bins program (value groups x
+    codewords). They change the work per program, never the result."""
+
+    n: int = 32
+    k: int = 32
+    r: int = 16
+    bin_columns: int = 256
+
+
+GPU_TILES = Tiles()
+# The interpreter pays per operation, not per element: big tiles, few programs (tests run in seconds).
+INTERPRETER_TILES = Tiles(n=128, k=128, r=16, bin_columns=8192)
+
+
+def default_tiles() -> Tiles:
+    from kvshrink.kernels.backend import interpreting
+
+    return INTERPRETER_TILES if interpreting() else GPU_TILES
+
+
+@dataclass
+class ComponentPlan:
+    """Where each PCA component's code lies in a row of packed key codes, per scope, as device tensors
+    ``[S, r]`` int32: ``bit`` (bit offset in the row), ``bits`` (width; 0: the component was dropped,
+    its coefficient is 0), ``level`` (offset of its width's unit levels in ``levels``); ``levels``
+    float32. Derived from a `codecs.table_decoder.SlotPlan` (a few hundred integers per block)."""
+
+    bit: torch.Tensor
+    bits: torch.Tensor
+    level: torch.Tensor
+    levels: torch.Tensor
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.bit, self.bits, self.level, self.levels))
+
+
+def component_plan(plan, rank: int, device) -> ComponentPlan:
+    """The `ComponentPlan` of a `SlotPlan` whose scopes have at most ``rank`` components (the rows of
+    the scaled bases). Built on the host from the plan's numpy arrays, copied once to ``device``."""
+    import numpy as np
+
+    byte, shift, _, row, counts = plan.slots
+    n_scopes = len(counts)
+    at_row = {}
+    for s in range(n_scopes):
+        for k in range(int(counts[s])):
+            at_row[(s, int(row[s, k]))] = int(byte[s, k]) * 8 + int(shift[s, k])
+    bit = np.zeros((n_scopes, max(1, rank)), np.int32)
+    bits = np.zeros_like(bit)
+    level = np.zeros_like(bit)
+    for scope, first, real, width, _, slot_row, level_at in np.asarray(plan.jobs).reshape(-1, 7).tolist():
+        start = at_row[(scope, slot_row)]
+        for m in range(real):
+            bit[scope, first + m] = start + m * width
+            bits[scope, first + m] = width
+            level[scope, first + m] = level_at
+    levels = np.asarray(plan.levels, np.float32)
+    if levels.size == 0:
+        levels = np.zeros(1, np.float32)
+    return ComponentPlan(*(torch.from_numpy(a).to(device) for a in (bit, bits, level, levels)))
+
+
+def _pow2(x: int, low: int = 16) -> int:
+    return max(low, triton.next_power_of_2(max(1, x)))
+
+
+@triton.jit
+def _scores_kernel(codes_ptr, bit_ptr, bits_ptr, level_ptr, levels_ptr, scaled_ptr, mean_ptr, cos_ptr, sin_ptr,
+                   q_ptr, out_ptr, scaling, n, n_bytes, rank, width, heads, rows, heads_per_scope, n_scopes,
+                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    s = h // heads_per_scope
+    col0 = (h % heads_per_scope) * HEAD_DIM     # this head's columns in its scope's rows
+    half = HEAD_DIM // 2
+
+    offs_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = offs_t < n
+    offs_p = tl.arange(0, HALF)
+    p_ok = offs_p < half
+    even = col0 + 2 * offs_p
+    odd = even + 1
+
+    # pre-RoPE keys of the tile, even and odd channels of each RoPE pair apart, starting at the mean
+    mean_e = tl.load(mean_ptr + s * width + even, mask=p_ok, other=0.0).to(tl.float32)
+    mean_o = tl.load(mean_ptr + s * width + odd, mask=p_ok, other=0.0).to(tl.float32)
+    k_e = tl.full((BLOCK_N, HALF), 0.0, tl.float32) + mean_e[None, :]
+    k_o = tl.full((BLOCK_N, HALF), 0.0, tl.float32) + mean_o[None, :]
+
+    row_codes = codes_ptr + ((b * n_scopes + s) * n + offs_t) * n_bytes        # [BLOCK_N] row starts
+    for k0 in range(0, rank, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < rank
+        at = tl.load(bit_ptr + s * rank + offs_k, mask=k_ok, other=0)
+        nb = tl.load(bits_ptr + s * rank + offs_k, mask=k_ok, other=0)
+        lv = tl.load(level_ptr + s * rank + offs_k, mask=k_ok, other=0)
+        byte = at >> 3
+        shift = at & 7
+        live = t_ok[:, None] & (k_ok & (nb > 0))[None, :]
+        lo = tl.load(row_codes[:, None] + byte[None, :], mask=live, other=0).to(tl.int32)
+        two = live & ((shift + nb) > 8)[None, :]                                 # the code straddles bytes
+        hi = tl.load(row_codes[:, None] + byte[None, :] + 1, mask=two, other=0).to(tl.int32)
+        value = ((lo | (hi << 8)) >> shift[None, :]) & ((1 << nb[None, :]) - 1)
+        coeff = tl.load(levels_ptr + lv[None, :] + value, mask=live, other=0.0)      # [BLOCK_N, BLOCK_K]
+        basis = scaled_ptr + (s * rank + offs_k[:, None]) * width
+        b_ok = k_ok[:, None] & p_ok[None, :]
+        basis_e = tl.load(basis + even[None, :], mask=b_ok, other=0.0).to(tl.float32)  # [BLOCK_K, HALF]
+        basis_o = tl.load(basis + odd[None, :], mask=b_ok, other=0.0).to(tl.float32)
+        k_e = tl.dot(coeff, basis_e, k_e, input_precision="ieee")
+        k_o = tl.dot(coeff, basis_o, k_o, input_precision="ieee")
+
+    # RoPE: each pair times cos + i sin of its token
+    rope_at = (b * n + offs_t[:, None]) * half + offs_p[None, :]
+    rope_ok = t_ok[:, None] & p_ok[None, :]
+    c = tl.load(cos_ptr + rope_at, mask=rope_ok, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + rope_at, mask=rope_ok, other=0.0).to(tl.float32)
+    re = k_e * c - k_o * sn
+    im = k_e * sn + k_o * c
+
+    for r0 in range(0, rows, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rows
+        q_at = q_ptr + ((pid_bh * rows + offs_r[:, None]) * HEAD_DIM + 2 * offs_p[None, :])
+        q_ok = r_ok[:, None] & p_ok[None, :]
+        q_e = tl.load(q_at, mask=q_ok, other=0.0).to(tl.float32)
+        q_o = tl.load(q_at + 1, mask=q_ok, other=0.0).to(tl.float32)
+        sc = tl.dot(q_e, tl.trans(re), input_precision="ieee")
+        sc = tl.dot(q_o, tl.trans(im), sc, input_precision="ieee") * scaling          # [BLOCK_R, BLOCK_N]
+        tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], sc,
+                 mask=r_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _bins_kernel(scores_ptr, lse_ptr, vcodes_ptr, bins_ptr, n, v_bytes, rows, n_groups,
+                 V_BITS: tl.constexpr, ENTRIES: tl.constexpr, ENTRIES_P: tl.constexpr, GROUPS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # GROUPS value groups per program: their one-hots side by side, one dot of GROUPS * ENTRIES_P columns
+    pid_bh = tl.program_id(0)
+    g0 = tl.program_id(1) * GROUPS
+    pid_r = tl.program_id(2)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rows
+    lse = tl.load(lse_ptr + pid_bh * rows + offs_r, mask=r_ok, other=0.0)
+    offs_g = g0 + tl.arange(0, GROUPS)
+    g_ok = offs_g < n_groups
+    bit = offs_g * V_BITS
+    at = bit >> 3
+    shift = bit & 7
+    entry = tl.arange(0, ENTRIES_P)
+    acc = tl.full((BLOCK_R, GROUPS * ENTRIES_P), 0.0, tl.float32)
+    for t0 in range(0, n, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = offs_t < n
+        ok = r_ok[:, None] & t_ok[None, :]
+        sc = tl.load(scores_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], mask=ok,
+                     other=float("-inf"))
+        prob = tl.exp(sc - lse[:, None])                                                 # 0 where masked
+        row = vcodes_ptr + (pid_bh * n + offs_t[:, None]) * v_bytes + at[None, :]       # [BLOCK_N, GROUPS]
+        live = t_ok[:, None] & g_ok[None, :]
+        lo = tl.load(row, mask=live, other=0).to(tl.int32)
+        hi = tl.load(row + 1, mask=live & ((shift + V_BITS) > 8)[None, :], other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> shift[None, :]) & (ENTRIES - 1)
+        one_hot = (code[:, :, None] == entry[None, None, :]).to(tl.float32)             # [BLOCK_N, GROUPS, E]
+        acc = tl.dot(prob, tl.reshape(one_hot, (BLOCK_N, GROUPS * ENTRIES_P)), acc, input_precision="ieee")
+    col = tl.arange(0, GROUPS * ENTRIES_P)
+    g = g0 + col // ENTRIES_P
+    e = col % ENTRIES_P
+    tl.store(bins_ptr + (pid_bh * rows + offs_r[:, None]) * (n_groups * ENTRIES) + (g * ENTRIES + e)[None, :],
+             acc, mask=r_ok[:, None] & ((g < n_groups) & (e < ENTRIES))[None, :])
+
+
+def code_scores(codes: torch.Tensor, plan: ComponentPlan, scaled: torch.Tensor, mean: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, scaling: float,
+                tiles: Tiles | None = None) -> torch.Tensor:
+    """Scaled scores ``[B, H_kv, R, n]`` float32 of grouped ``query [B, H_kv, R, d]`` (pair order)
+    against the block's keys rebuilt from ``codes [B, S, n, bytes]`` (see `code_attention`)."""
+    batch, heads, rows, head_dim = query.shape
+    n_scopes, n, n_bytes = codes.shape[1], codes.shape[2], codes.shape[3]
+    rank, width = scaled.shape[1], scaled.shape[2]
+    out = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=query.device)
+    if n == 0 or rows == 0:
+        return out
+    if rank == 0:   # no component kept: the keys are the means
+        scaled = torch.zeros(n_scopes, 1, width, dtype=torch.float32, device=query.device)
+        rank = 1
+    tiles = tiles or default_tiles()
+    grid = (batch * heads, triton.cdiv(n, tiles.n))
+    _scores_kernel[grid](codes.contiguous(), plan.bit, plan.bits, plan.level, plan.levels, scaled.contiguous(),
+                         mean.contiguous(), cos.contiguous(), sin.contiguous(), query.contiguous(), out,
+                         float(scaling), n, n_bytes, rank, width, heads, rows, heads // n_scopes, n_scopes,
+                         HEAD_DIM=head_dim, HALF=_pow2(head_dim // 2), BLOCK_N=tiles.n, BLOCK_K=tiles.k,
+                         BLOCK_R=tiles.r)
+    return out
+
+
+def code_bins(scores: torch.Tensor, lse: torch.Tensor, v_codes: torch.Tensor, v_bits: int,
+              n_groups: int, tiles: Tiles | None = None) -> torch.Tensor:
+    """``bins [B, H_kv, R, n_groups * 2**v_bits]``: ``exp(scores - lse)`` summed per value group and
+    codeword (``lse`` finite: a fully masked row has scores ``-inf`` and gets zeros)."""
+    batch, heads, rows, n = scores.shape
+    entries = 1 << v_bits
+    bins = torch.zeros(batch, heads, rows, n_groups * entries, dtype=torch.float32, device=scores.device)
+    if n == 0 or rows == 0:
+        return bins
+    tiles = tiles or default_tiles()
+    entries_p = _pow2(entries)
+    groups = min(triton.next_power_of_2(n_groups), max(1, tiles.bin_columns // entries_p))
+    grid = (batch * heads, triton.cdiv(n_groups, groups), triton.cdiv(rows, tiles.r))
+    _bins_kernel[grid](scores.contiguous(), lse.contiguous(), v_codes.contiguous(), bins, n, v_codes.shape[-1],
+                       rows, n_groups, V_BITS=v_bits, ENTRIES=entries, ENTRIES_P=entries_p, GROUPS=groups,
+                       BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    return bins
+
+
+def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
+                   v_codes: torch.Tensor, v_bits: int, n_groups: int,
+                   tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kvshrink.codecs.fused.code_attention` on the GPU path: the same arguments (``plan`` a `SlotPlan`,
+    or its `ComponentPlan` already on the device, as the layer keeps it) and the same result,
+    ``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])`` float32, with no host
+    synchronisation (given a `ComponentPlan`)."""
+    if not isinstance(plan, ComponentPlan):
+        plan = component_plan(plan, scaled.shape[1], codes.device)
+    scores = code_scores(codes, plan, scaled, mean, cos, sin, query, scaling, tiles)
+    if hidden is not None and hidden.shape[-1]:
+        index = hidden.long().unsqueeze(2).expand(-1, -1, scores.shape[2], -1)
+        scores.scatter_(3, index, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # a row whose tokens are all held exact elsewhere has lse -inf: its probabilities are zeros
+    bins = code_bins(scores, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse), v_codes, v_bits, n_groups,
+                     tiles)
+    return bins, lse
+
+
+# ---- the decode stream: TurboQuant codes -------------------------------------------------------------------
+
+@triton.jit
+def _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS: tl.constexpr):
+    """``[BLOCK_N, DP]`` centroids of the tokens' codes (coordinate ``i`` at bit ``i * BITS``)."""
+    bit = offs_i * BITS
+    at = (row0 + offs_t[:, None]) * n_bytes + (bit >> 3)[None, :]
+    ok = t_ok[:, None] & i_ok[None, :]
+    lo = tl.load(codes_ptr + at, mask=ok, other=0).to(tl.int32)
+    hi = tl.load(codes_ptr + at + 1, mask=ok & (((bit & 7) + BITS) > 8)[None, :], other=0).to(tl.int32)
+    code = ((lo | (hi << 8)) >> (bit & 7)[None, :]) & ((1 << BITS) - 1)
+    return tl.load(centroids_ptr + code, mask=ok, other=0.0)
+
+
+@triton.jit
+def _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes):
+    """``[BLOCK_N, DP]`` QJL signs (+-1) of the tokens, 0 outside."""
+    at = (row0 + offs_t[:, None]) * sign_bytes + (offs_i >> 3)[None, :]
+    ok = t_ok[:, None] & i_ok[None, :]
+    byte = tl.load(signs_ptr + at, mask=ok, other=0).to(tl.int32)
+    bit = (byte >> (offs_i & 7)[None, :]) & 1
+    return tl.where(ok, bit.to(tl.float32) * 2.0 - 1.0, 0.0)
+
+
+@triton.jit
+def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, qjl_norm_ptr, qs_ptr, out_ptr,
+                          scaling, qjl_scale, n, n_bytes, sign_bytes, rows, dim,
+                          BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_R: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = offs_t < n
+    offs_i = tl.arange(0, DP)
+    i_ok = offs_i < dim
+    row0 = pid_bh * n
+    y = _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
+    norm = tl.load(norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+    if QJL:
+        z = _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
+        resid = tl.load(qjl_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
+    for r0 in range(0, rows, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rows
+        q_at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
+        q = tl.load(q_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
+        sc = tl.dot(q, tl.trans(y), input_precision="ieee")
+        if QJL:
+            qs = tl.load(qs_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
+            sc += tl.dot(qs, tl.trans(z), input_precision="ieee") * resid[None, :]
+        sc = sc * norm[None, :] * scaling
+        tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], sc,
+                 mask=r_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_ptr, signs_ptr, qjl_norm_ptr,
+                          out_ptr, out_z_ptr, qjl_scale, n, n_bytes, sign_bytes, rows, dim,
+                          BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_R: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rows
+    offs_i = tl.arange(0, DP)
+    i_ok = offs_i < dim
+    row0 = pid_bh * n
+    lse = tl.load(lse_ptr + pid_bh * rows + offs_r, mask=r_ok, other=0.0)
+    acc = tl.full((BLOCK_R, DP), 0.0, tl.float32)
+    acc_z = tl.full((BLOCK_R, DP), 0.0, tl.float32)
+    for t0 in range(0, n, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = offs_t < n
+        sc = tl.load(scores_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :],
+                     mask=r_ok[:, None] & t_ok[None, :], other=float("-inf"))
+        norm = tl.load(norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+        w = tl.exp(sc - lse[:, None]) * norm[None, :]
+        y = _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
+        acc = tl.dot(w, y, acc, input_precision="ieee")
+        if QJL:
+            z = _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
+            resid = tl.load(qjl_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
+            acc_z = tl.dot(w * resid[None, :], z, acc_z, input_precision="ieee")
+    at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
+    tl.store(out_ptr + at, acc, mask=r_ok[:, None] & i_ok[None, :])
+    if QJL:
+        tl.store(out_z_ptr + at, acc_z, mask=r_ok[:, None] & i_ok[None, :])
+
+
+def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
+                    tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped ``query [B, H_kv, R, d]`` over TurboQuant-coded ``keys`` and ``values``
+    (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors, quantizer ``turbo``), with no host
+    synchronisation and nothing decoded to memory: ``(out [B, H_kv, R, d], lse [B, H_kv, R])`` float32,
+    `TurboQuantizer.inner_products` / `weighted_sum` in two kernels (scores from the codes against the
+    rotated queries, QJL sketch term included; probabilities times norms summed against the codes' centroids).
+    """
+    tiles = tiles or default_tiles()
+    import math
+
+    batch, heads, rows, dim = query.shape
+    n = keys.codes.shape[2]
+    device = query.device
+    centroids, _, sketch, _ = turbo._tables(device)
+    qrot = turbo.rotation.rotate(query.float()).contiguous()
+    qjl = turbo.qjl
+    qjl_scale = math.sqrt(math.pi / 2) / dim
+    dp = _pow2(dim)
+    dummy = torch.zeros(1, device=device)
+
+    def qjl_args(code):
+        if not qjl:
+            return dummy, dummy, 1
+        return code.qjl_signs.contiguous(), code.qjl_norm.contiguous(), code.qjl_signs.shape[-1]
+
+    scores = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=device)
+    signs, qjl_norm, sign_bytes = qjl_args(keys)
+    qs = (qrot @ sketch.T).contiguous() if qjl else dummy
+    _stream_scores_kernel[(batch * heads, triton.cdiv(n, tiles.n))](
+        keys.codes.contiguous(), keys.norm.contiguous(), centroids, qrot, signs, qjl_norm, qs, scores,
+        float(scaling), qjl_scale, n, keys.codes.shape[-1], sign_bytes, rows, dim,
+        BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.empty(batch, heads, rows, dim, dtype=torch.float32, device=device)
+    out_z = torch.empty_like(out) if qjl else dummy
+    signs, qjl_norm, sign_bytes = qjl_args(values)
+    _stream_values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
+        scores, lse, values.codes.contiguous(), values.norm.contiguous(), centroids, signs, qjl_norm, out, out_z,
+        qjl_scale, n, values.codes.shape[-1], sign_bytes, rows, dim,
+        BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    if qjl:
+        out = out + out_z @ sketch
+    return turbo.rotation.unrotate(out), lse
