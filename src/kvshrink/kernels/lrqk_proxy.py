@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from kvshrink.kernels import counting
 from kvshrink.kernels.backend import triton as _load_triton
 
 triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
@@ -187,14 +188,16 @@ def proxy_mass(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling:
     has_pad = first is not None
     pad = first.to(dev, torch.int64).contiguous() if has_pad else q_hat     # dummy pointer without padding
     grid = (rows, n_blocks)
-    kern["stats"][grid](q_hat, a_k, pad, m, l_sum, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
-                        float(scaling), n_blocks, HAS_PAD=has_pad, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
+    with counting.kernel_launch("lrqk_stats"):
+        kern["stats"][grid](q_hat, a_k, pad, m, l_sum, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
+                            float(scaling), n_blocks, HAS_PAD=has_pad, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
     top = m.amax(dim=1, keepdim=True)
     top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
     lse = (top.squeeze(1) + torch.log((l_sum * torch.exp(m - top)).sum(1))).contiguous()   # [rows, BG]
     mass = torch.empty(rows, candidates, dtype=torch.float32, device=dev)
-    kern["mass"][grid](q_hat, a_k, pad, lse, mass, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
-                       float(scaling), HAS_PAD=has_pad, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
+    with counting.kernel_launch("lrqk_mass"):
+        kern["mass"][grid](q_hat, a_k, pad, lse, mass, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
+                           float(scaling), HAS_PAD=has_pad, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
     return mass
 
 
@@ -247,10 +250,11 @@ def gathered_attention(query: torch.Tensor, slot_k: torch.Tensor, slot_v: torch.
     ml = torch.empty(rows, splits, 2, groups, dtype=torch.float32, device=q.device) if splits > 1 else lse
     has_pad = first is not None
     pad = first.to(q.device, torch.int64).contiguous() if has_pad else sidx
-    kern["attention"][(rows, splits)](q, slot_k, slot_v, sidx, stok, tk, tv, nk, nv, pad, out, lse, acc, ml, groups,
-                                      dim, slot_k.shape[1], n_sel, n_tail, int(tail_start), split_len, float(scaling),
-                                      HAS_PAD=has_pad, SPLIT=splits > 1, BLOCK_G=_pow2(groups),
-                                      BLOCK_D=_pow2(dim), BLOCK_N=block_n)
+    with counting.kernel_launch("lrqk_attention"):
+        kern["attention"][(rows, splits)](q, slot_k, slot_v, sidx, stok, tk, tv, nk, nv, pad, out, lse, acc, ml, groups,
+                                          dim, slot_k.shape[1], n_sel, n_tail, int(tail_start), split_len, float(scaling),
+                                          HAS_PAD=has_pad, SPLIT=splits > 1, BLOCK_G=_pow2(groups),
+                                          BLOCK_D=_pow2(dim), BLOCK_N=block_n)
     if splits > 1:   # merge the splits' partial softmax sums (split 0 always holds the new token: m finite)
         m, l_sum = ml[:, :, 0], ml[:, :, 1]                                # [rows, splits, G]
         top = m.amax(dim=1, keepdim=True)

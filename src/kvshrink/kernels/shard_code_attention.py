@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshrink.kernels import counting
 from kvshrink.kernels.backend import triton as _load_triton
 
 triton = _load_triton()     # the backend chose interpreter or GPU before (or despite) the import
@@ -238,11 +239,12 @@ def code_scores(codes: torch.Tensor, plan: ComponentPlan, scaled: torch.Tensor, 
         rank = 1
     tiles = tiles or default_tiles()
     grid = (batch * heads, triton.cdiv(n, tiles.n))
-    _scores_kernel[grid](codes.contiguous(), plan.bit, plan.bits, plan.level, plan.levels, scaled.contiguous(),
-                         mean.contiguous(), cos.contiguous(), sin.contiguous(), query.contiguous(), out,
-                         float(scaling), n, n_bytes, rank, width, heads, rows, heads // n_scopes, n_scopes,
-                         HEAD_DIM=head_dim, HALF=_pow2(head_dim // 2), BLOCK_N=tiles.n, BLOCK_K=tiles.k,
-                         BLOCK_R=tiles.r)
+    with counting.kernel_launch("shard_scores"):
+        _scores_kernel[grid](codes.contiguous(), plan.bit, plan.bits, plan.level, plan.levels, scaled.contiguous(),
+                             mean.contiguous(), cos.contiguous(), sin.contiguous(), query.contiguous(), out,
+                             float(scaling), n, n_bytes, rank, width, heads, rows, heads // n_scopes, n_scopes,
+                             HEAD_DIM=head_dim, HALF=_pow2(head_dim // 2), BLOCK_N=tiles.n, BLOCK_K=tiles.k,
+                             BLOCK_R=tiles.r)
     return out
 
 
@@ -259,9 +261,10 @@ def code_bins(scores: torch.Tensor, lse: torch.Tensor, v_codes: torch.Tensor, v_
     entries_p = _pow2(entries)
     groups = min(triton.next_power_of_2(n_groups), max(1, tiles.bin_columns // entries_p))
     grid = (batch * heads, triton.cdiv(n_groups, groups), triton.cdiv(rows, tiles.r))
-    _bins_kernel[grid](scores.contiguous(), lse.contiguous(), v_codes.contiguous(), bins, n, v_codes.shape[-1],
-                       rows, n_groups, V_BITS=v_bits, ENTRIES=entries, ENTRIES_P=entries_p, GROUPS=groups,
-                       BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    with counting.kernel_launch("shard_bins"):
+        _bins_kernel[grid](scores.contiguous(), lse.contiguous(), v_codes.contiguous(), bins, n, v_codes.shape[-1],
+                           rows, n_groups, V_BITS=v_bits, ENTRIES=entries, ENTRIES_P=entries_p, GROUPS=groups,
+                           BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     return bins
 
 
@@ -402,18 +405,20 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     scores = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=device)
     signs, qjl_norm, sign_bytes = qjl_args(keys)
     qs = (qrot @ sketch.T).contiguous() if qjl else dummy
-    _stream_scores_kernel[(batch * heads, triton.cdiv(n, tiles.n))](
-        keys.codes.contiguous(), keys.norm.contiguous(), centroids, qrot, signs, qjl_norm, qs, scores,
-        float(scaling), qjl_scale, n, keys.codes.shape[-1], sign_bytes, rows, dim,
-        BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    with counting.kernel_launch("shard_stream_scores"):
+        _stream_scores_kernel[(batch * heads, triton.cdiv(n, tiles.n))](
+            keys.codes.contiguous(), keys.norm.contiguous(), centroids, qrot, signs, qjl_norm, qs, scores,
+            float(scaling), qjl_scale, n, keys.codes.shape[-1], sign_bytes, rows, dim,
+            BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.empty(batch, heads, rows, dim, dtype=torch.float32, device=device)
     out_z = torch.empty_like(out) if qjl else dummy
     signs, qjl_norm, sign_bytes = qjl_args(values)
-    _stream_values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
-        scores, lse, values.codes.contiguous(), values.norm.contiguous(), centroids, signs, qjl_norm, out, out_z,
-        qjl_scale, n, values.codes.shape[-1], sign_bytes, rows, dim,
-        BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    with counting.kernel_launch("shard_stream_values"):
+        _stream_values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
+            scores, lse, values.codes.contiguous(), values.norm.contiguous(), centroids, signs, qjl_norm, out, out_z,
+            qjl_scale, n, values.codes.shape[-1], sign_bytes, rows, dim,
+            BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     if qjl:
         out = out + out_z @ sketch
     return turbo.rotation.unrotate(out), lse

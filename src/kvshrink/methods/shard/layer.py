@@ -39,6 +39,14 @@ def _softmax_part(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1)), lse
 
 
+def _host_index(start: int, stop: int) -> torch.Tensor:
+    """Token indices ``start..stop-1`` on the host, carrying their first value for `store.first_index`
+    (which then never reads a tensor element: no device round trip on the GPU path)."""
+    index = torch.arange(start, stop)
+    index.kvshrink_first = start
+    return index
+
+
 class ShardLayer(CacheLayer):
     split_batch_rows = True  # PCA bases, bit allocation and scales fitted per row
     def __init__(self, spec: LayerSpec, shared: ShardShared):
@@ -296,13 +304,15 @@ class ShardLayer(CacheLayer):
         to_sinks = max(0, min(q, self._sinks_len - first))
         # token indices on the host: the stores read their first index (no device round trip); a store
         # holding explicit indices (never Shard's contiguous runs, but kept correct) takes them on its device
-        index = torch.arange(first, first + q)
-        if self.sinks.index is not None or self.window.index is not None:
-            index = ctx.new_index
+        explicit = self.sinks.index is not None or self.window.index is not None
+        def index(start: int, stop: int) -> torch.Tensor:
+            if explicit:
+                return ctx.new_index[start:stop]
+            return _host_index(first + start, first + stop)
         if to_sinks:
-            self.sinks.append(key[:, :, :to_sinks], value[:, :, :to_sinks], index[:to_sinks])
+            self.sinks.append(key[:, :, :to_sinks], value[:, :, :to_sinks], index(0, to_sinks))
         if to_sinks < q:
-            self.window.append(key[:, :, to_sinks:], value[:, :, to_sinks:], index[to_sinks:])
+            self.window.append(key[:, :, to_sinks:], value[:, :, to_sinks:], index(to_sinks, q))
         overflow = len(self.window) - self.cfg.window
         if overflow <= 0:
             return
