@@ -40,11 +40,10 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 @triton.jit
-def _proxy_stats(q_ptr, a_ptr, pad_ptr, m_ptr, l_ptr, n, G, R, a_row_stride, a_tok_stride, scale,
-                n_blocks, HAS_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
+def _proxy_block(q_ptr, a_ptr, pad_ptr, row, blk, n, G, R, a_row_stride, a_tok_stride, scale,
+                 HAS_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Proxy scores ``[G, N]`` of one row's query group against token block ``blk`` (-inf where not
+    visible), the block's token positions and their visibility."""
     g = tl.arange(0, BLOCK_G)
     r = tl.arange(0, BLOCK_R)
     t = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,7 +55,18 @@ def _proxy_stats(q_ptr, a_ptr, pad_ptr, m_ptr, l_ptr, n, G, R, a_row_stride, a_t
     valid = t < n
     if HAS_PAD:
         valid = valid & (t >= tl.load(pad_ptr + row))
-    s = tl.where(valid[None, :], s, float("-inf"))
+    return tl.where(valid[None, :], s, float("-inf")), t, valid
+
+
+@triton.jit
+def _proxy_stats(q_ptr, a_ptr, pad_ptr, m_ptr, l_ptr, n, G, R, a_row_stride, a_tok_stride, scale,
+                n_blocks, HAS_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    s, t, valid = _proxy_block(q_ptr, a_ptr, pad_ptr, row, blk, n, G, R, a_row_stride, a_tok_stride, scale,
+                               HAS_PAD, BLOCK_G, BLOCK_R, BLOCK_N)
     m = tl.max(s, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l_sum = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
@@ -71,16 +81,8 @@ def _proxy_mass_kernel(q_ptr, a_ptr, pad_ptr, lse_ptr, mass_ptr, n, G, R, a_row_
     row = tl.program_id(0)
     blk = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
-    r = tl.arange(0, BLOCK_R)
-    t = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + row * G * R + g[:, None] * R + r[None, :], mask=(g[:, None] < G) & (r[None, :] < R),
-                other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + row * a_row_stride + t[:, None] * a_tok_stride + r[None, :],
-                mask=(t[:, None] < n) & (r[None, :] < R), other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(a), input_precision="ieee") * scale
-    valid = t < n
-    if HAS_PAD:
-        valid = valid & (t >= tl.load(pad_ptr + row))
+    s, t, valid = _proxy_block(q_ptr, a_ptr, pad_ptr, row, blk, n, G, R, a_row_stride, a_tok_stride, scale,
+                               HAS_PAD, BLOCK_G, BLOCK_R, BLOCK_N)
     lse = tl.load(lse_ptr + row * BLOCK_G + g)
     live = (g < G) & (lse > float("-inf"))
     keep = live[:, None] & valid[None, :]
