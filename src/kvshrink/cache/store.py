@@ -80,7 +80,7 @@ def defer_nan(x: torch.Tensor, message: str) -> None:
 
 
 def raise_deferred() -> None:
-    """Raise the first error recorded by `defer_peak` / `defer_flag` since the last call (synchronises)."""
+    """Raise the first error recorded by `defer_peak` (or `defer_nan`) since the last call (synchronises)."""
     if not _DEFERRED:
         return
     pending = list(_DEFERRED.items())
