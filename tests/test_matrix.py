@@ -33,7 +33,8 @@ NEAR_LOSSLESS = {
     "lrqk": ({"top_k": 200, "window": 8, "rank": 4}, 2e-4),  # slots in fp16 (fp32 model); measured <= 7.8e-5
     "kivi": ({"bits": 4, "group": 16, "residual": 16}, 0.04),  # measured <= 2.1e-2
     "turboquant": ({"key_bits": 8, "value_bits": 8}, 4e-3),  # measured <= 2.1e-3
-    "shard": ({"sinks": 4, "window": 8, "key_bits": 8.0, "stream_bits": 8, "v_group": 1, "salient": 0.0}, 4e-3),  # <= 2.5e-3
+    "shard": ({"sinks": 4, "window": 8, "key_bits": 8.0, "stream_bits": 8, "v_group": 1, "salient": 0.0, "evict": 0.0},
+              4e-3),  # <= 2.5e-3
     "hf-quantized": ({"backend": "quanto", "bits": 4, "group": 16, "residual": 16}, 0.04),  # <= 2.2e-2
 }
 # fp16/bf16 storage of keys and values alone moves logits by up to this much more

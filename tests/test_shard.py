@@ -40,7 +40,7 @@ def check_equivalence(cache, batch, seed=1, layers=None, ctx=None):
 def test_attention_from_packed_store_equals_dequantized_attention(scope, weights, salient):
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100, pca_scope=scope,
-                                key_weights=weights, salient=salient)
+                                key_weights=weights, salient=salient, evict=0.0)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[0]
@@ -118,7 +118,8 @@ def test_short_prompt_stays_exact_and_bytes_add_up():
 
 def test_bytes_count_every_tensor():
     model = tiny_llama()
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, pca_scope="layer")
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, pca_scope="layer", salient=0.015,
+                                evict=0.0)
     ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[1]
@@ -266,7 +267,8 @@ def _peak_live_bytes(fn) -> int:
     return peak
 
 
-def test_compression_needs_less_extra_memory_than_one_layers_prompt_kv():
+@pytest.mark.parametrize("options", [{}, {"evict": 0.02}])
+def test_compression_needs_less_extra_memory_than_one_layers_prompt_kv(options):
     # SmolLM2's attention shape (3 KV heads of 64), one layer, an 8K prompt: the RoPE tables of the
     # step are rebuilt inside the measured call (the last layer clears them), so they count too.
     from kvshrink.methods.shard import ShardLayer
@@ -275,7 +277,7 @@ def test_compression_needs_less_extra_memory_than_one_layers_prompt_kv():
     cfg = LlamaConfig(vocab_size=128, hidden_size=384, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=6, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
     model = LlamaForCausalLM(cfg).eval()
-    cache = kvshrink.make_cache("shard", model)
+    cache = kvshrink.make_cache("shard", model, **options)
     measured = []
     original = ShardLayer.compress_block
 
@@ -312,7 +314,7 @@ def test_store_rebuilds_the_models_post_rope_keys_and_values(rope):
     model = tiny_model("llama", **ROPE_SCALINGS[rope])
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
     full = kvshrink.make_cache("full", model)
-    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, key_bits=8.0, salient=0.0, v_group=1)
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, key_bits=8.0, salient=0.0, evict=0.0, v_group=1)
     prefill(model, full, ids)
     prefill(model, shard, ids)
     assert sum(b.n for b in shard.layers[0].middle) == 188
@@ -321,6 +323,30 @@ def test_store_rebuilds_the_models_post_rope_keys_and_values(rope):
         order = (index[0] if index.dim() == 2 else index).argsort()
         for got, want in [(keys[:, :, order], reference.store.keys), (values[:, :, order], reference.store.values)]:
             assert ((got.float() - want).norm() / want.norm()).item() < 0.02
+
+
+def test_salient_tokens_of_an_evicting_block_hold_the_models_keys_and_values_of_their_tokens():
+    """With eviction, block rows are not token offsets: each salient row must carry the K/V of the token
+    the row stands for (the row's token in `dequantized`'s index)."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    full = kvshrink.make_cache("full", model)
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, evict=0.2, salient=0.1)
+    prefill(model, full, ids)
+    prefill(model, shard, ids)
+    checked = 0
+    for layer, reference in zip(shard.layers, full.layers):
+        block, = layer.middle
+        assert block.n < block.span  # tokens were evicted, so rows and token offsets differ
+        tokens = block.token_index(block.salient.index.device)             # [n] token of each block row
+        rows = block.salient.index.long()                                  # [B, H_kv, m]
+        picked = tokens[rows].unsqueeze(-1).expand(-1, -1, -1, reference.store.keys.shape[-1])
+        for held, want in [(block.salient.keys, reference.store.keys), (block.salient.values, reference.store.values)]:
+            torch.testing.assert_close(held.float(), want.gather(2, picked).float(), atol=2e-3, rtol=2e-3)
+        checked += rows.numel()
+    assert checked > 0
 
 
 @pytest.mark.parametrize("scaling,named", [

@@ -25,6 +25,9 @@ from kvshrink.methods.shard.shared import ShardShared
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
 _MIN_QUERY_WEIGHT = 1e-2
 
+# Tokens of one head whose values are rotated and coded at once (bounds compression's transient memory).
+_VALUE_ROWS = 2048
+
 # Score elements per block of middle tokens (bounds the transient memory of prefill-with-past).
 _SCORE_ELEMENTS = 1 << 22
 # Most grouped query rows (query heads per KV head x new tokens) the fused kernel takes: decoding, not
@@ -37,6 +40,11 @@ def _softmax_part(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.logsumexp(scores, dim=-1)
     # a row whose tokens are all masked (salient rows held exact) has lse -inf and contributes nothing
     return torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1)), lse
+
+
+def kept_rows(x: torch.Tensor, rows: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """``x`` itself, or its ``rows`` along ``dim`` (a block's tokens that were not evicted)."""
+    return x if rows is None else x.index_select(dim, rows)
 
 
 def _host_index(start: int, stop: int) -> torch.Tensor:
@@ -366,31 +374,34 @@ class ShardLayer(CacheLayer):
         importance = None
         if observer is not None and (self.cfg.salient > 0 or self.cfg.evict > 0):
             importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
-        span, kept, rows, kept_rows = key.shape[2], None, None, None
+        span, kept, rows = key.shape[2], None, None
         if importance is not None and self.cfg.evict > 0:
             keep = tokens_to_keep(importance, self.cfg.evict)
             if not bool(keep.all()):
                 rows = keep.nonzero().squeeze(-1)
-                kept_rows = rows
-                key, value, importance = key[:, :, rows], value[:, :, rows], importance[..., rows]
+                importance = importance[..., rows]
                 kept = pack_bits(keep.to(torch.uint8), 1)
+        # The kept rows are selected one head at a time inside the encoders: a copy of the layer's kept
+        # K/V would double the compression's extra peak memory.
         keys = self.encode_keys(key, start, ctx, rows, span)
-        v_codes, codebook, scale = self.encode_values(value)
+        v_codes, codebook, scale = self.encode_values(value, rows)
         salient = None
         if self.cfg.salient > 0 and importance is not None:
-            salient = pick_salient(importance, key, value, self.cfg.salient, self.sinks.dtype)
-        block = MiddleBlock(start=start, n=key.shape[2], keys=keys, v_codes=v_codes, v_codebook=codebook,
+            salient = pick_salient(importance, key, value, self.cfg.salient, self.sinks.dtype, rows)
+        n = span if rows is None else rows.numel()
+        block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook,
                             v_scale=scale, salient=salient, kept=kept, span=span if kept is not None else 0)
-        if kept_rows is not None and backend.gpu_path(key):
-            block._rows = kept_rows  # the decode steps' RoPE positions, without a sync on first use
+        if rows is not None and backend.gpu_path(key):
+            block._rows = rows  # the decode steps' RoPE positions, without a sync on first use
         return block
 
     def encode_keys(self, key: torch.Tensor, start: int, ctx: StepContext, rows: torch.Tensor | None = None,
                     span: int = 0) -> list[PCACode]:
-        """Post-RoPE keys ``[B, H_kv, n, d]`` of tokens ``start .. start+n-1`` (or ``start + rows`` of a
-        ``span``-token block) -> one `PCACode` of the pre-RoPE keys per PCA scope."""
-        b, h, n, d = key.shape
-        cos, sin = self.shared.rope(ctx, start, span or n, rows)
+        """Post-RoPE keys ``[B, H_kv, span, d]`` of tokens ``start .. start+span-1`` -> one `PCACode` per PCA
+        scope of the pre-RoPE keys of all of them, or of the block rows ``rows`` only."""
+        b, h, _, d = key.shape
+        n = key.shape[2] if rows is None else rows.numel()
+        cos, sin = self.shared.rope(ctx, start, span or n)  # the step's memoised tables: no copy per block
         scopes = h if self.cfg.pca_scope == "head" else 1
         width = h * d // scopes
         column_scale = self.key_column_scale(width)
@@ -398,8 +409,8 @@ class ShardLayer(CacheLayer):
 
         def scope_rows(s: int) -> torch.Tensor:
             """Pre-RoPE keys of scope ``s`` ``[B, n, width]``, divided by its column scale."""
-            x = undo_rope(key[:, s], cos, sin) if scopes == h else \
-                undo_rope(key, cos, sin).transpose(1, 2).reshape(b, n, h * d)
+            x = kept_rows(undo_rope(key[:, s], cos, sin), rows, 1) if scopes == h else \
+                kept_rows(undo_rope(key, cos, sin), rows, 2).transpose(1, 2).reshape(b, n, h * d)
             return x if scales[s] is None else x.div_(scales[s].float())
 
         rank = min(self.cfg.rank or width, width)
@@ -409,27 +420,41 @@ class ShardLayer(CacheLayer):
         return [encode_pca(scope_rows(s), fits[s], bits[s], levels=self.cfg.k_levels, column_scale=scales[s])
                 for s in range(scopes)]
 
-    def encode_values(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Values ``[B, H_kv, n, d]`` -> packed VQ indices, the codebook, per-(head, channel) scales.
+    def encode_values(self, value: torch.Tensor, rows: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Values ``[B, H_kv, span, d]`` (all rows, or the block rows ``rows`` only) -> packed VQ indices,
+        the codebook, per-(head, channel) scales.
 
-        One head at a time (the rotation is redone rather than kept), so a layer's rotated values
-        never exist at once; only ``v_fit="kmeans"`` rotates the whole layer to sample from it."""
-        b, h, n, d = value.shape
+        One head and ``_VALUE_ROWS`` tokens at a time (the rotation is redone rather than kept), so a
+        layer's rotated values never exist at once; only ``v_fit="kmeans"`` rotates the whole layer to
+        sample from it."""
+        b, h, _, d = value.shape
+        n = value.shape[2] if rows is None else rows.numel()
         group = self.cfg.v_group
         rotate = self.shared.rotation.rotate
-        scale = torch.stack([rotate(value[:, s]).pow(2).mean(dim=(0, 1)) for s in range(h)])
-        scale = scale.sqrt().clamp_min(1e-6).to(torch.float16)                       # [H, d]
+
+        def rotated(s: int):
+            """``(first row, rotated values [B, m, d])`` of head ``s``, block rows in chunks."""
+            for i in range(0, n, _VALUE_ROWS):
+                part = value[:, s, i:i + _VALUE_ROWS] if rows is None else \
+                    value[:, s].index_select(1, rows[i:i + _VALUE_ROWS])
+                yield i, rotate(part)
+
+        power = torch.stack([sum(x.pow(2).sum(dim=(0, 1)) for _, x in rotated(s)) for s in range(h)])
+        scale = (power / (b * n)).sqrt().clamp_min(1e-6).to(torch.float16)            # [H, d]
         codebook = self.shared.v_codebook.to(value.device)
         if self.cfg.v_fit == "kmeans":
-            groups = rotate(value).div_(scale.float()[None, :, None, :]).reshape(-1, group)
+            groups = rotate(kept_rows(value, rows, 2)).div_(scale.float()[None, :, None, :]).reshape(-1, group)
             codebook = fit_codebook(groups, self.cfg.v_codebook, iters=self.cfg.v_iters, sample=self.cfg.v_sample,
                                     seed=self.cfg.seed + self.layer_idx, init=codebook)
             del groups
         codebook = codebook.to(torch.float16)
         idx = torch.empty(b, h, n, d // group, dtype=torch.int32, device=value.device)
         for s in range(h):
-            rows = rotate(value[:, s]).div_(scale[s].float()).reshape(-1, group)
-            idx[:, s] = assign_codes(rows, codebook.float(), out_dtype=torch.int32).reshape(b, n, d // group)
+            for i, x in rotated(s):
+                groups = x.div_(scale[s].float()).reshape(-1, group)
+                idx[:, s, i:i + x.shape[1]] = assign_codes(groups, codebook.float(), out_dtype=torch.int32
+                                                           ).reshape(b, x.shape[1], d // group)
         return pack_bits(idx, int(math.log2(self.cfg.v_codebook))), codebook, scale
 
     def dequantized(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

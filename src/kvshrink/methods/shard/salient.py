@@ -50,14 +50,17 @@ def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: flo
 
 
 def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fraction: float,
-                 dtype: torch.dtype) -> SalientTokens | None:
-    """The ``ceil(fraction * n)`` rows per KV head of ``key/value [B, H_kv, n, d]`` of highest
-    ``importance [B, H_kv, n]`` (see `observed_importance`), sorted by row."""
-    count = min(key.shape[2], math.ceil(fraction * key.shape[2] - 1e-9))  # 1e-9: 0.035 * 200 is not 7
+                 dtype: torch.dtype, kept: torch.Tensor | None = None) -> SalientTokens | None:
+    """The ``ceil(fraction * n)`` block rows per KV head of highest ``importance [B, H_kv, n]`` (see
+    `observed_importance`), sorted by row, with their keys and values from ``key/value [B, H_kv, span, d]``:
+    block row ``i`` is token ``kept[i]`` of the span when some were evicted, else token ``i``."""
+    n = importance.shape[-1]
+    count = min(n, math.ceil(fraction * n - 1e-9))  # 1e-9: 0.035 * 200 is not 7
     if count == 0:
         return None
     index = importance.topk(count, dim=-1).indices.sort(dim=-1).values  # [B, H_kv, m]
-    rows = index.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
+    tokens = index if kept is None else kept[index]
+    rows = tokens.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
     return SalientTokens(index.to(torch.int32), to_storage(key.gather(2, rows), dtype),
                          to_storage(value.gather(2, rows), dtype))
 
