@@ -182,7 +182,9 @@ def merge_partials(parts: list[Partial]) -> Partial:
     lses = torch.stack([p.lse for p in parts])  # [P, B, Hq, q]
     total = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - total.masked_fill(torch.isinf(total), 0.0)).unsqueeze(-1)
-    out = sum(w * p.out for w, p in zip(weights, parts))
+    # one product and one sum over the stacked outputs (not two ops per part): a decode step merges
+    # several partials per layer
+    out = (torch.stack([p.out for p in parts]) * weights).sum(dim=0)
     return Partial(out, total)
 
 

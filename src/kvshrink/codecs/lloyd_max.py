@@ -84,6 +84,10 @@ class TurboCode:
         """The codes of vectors ``start..stop-1`` along ``dim`` (a view)."""
         return TurboCode(*[None if x is None else x.narrow(dim, start, stop - start) for x in self._fields()])
 
+    def select(self, i: int) -> "TurboCode":
+        """The codes of ``x[i]`` when this code holds ``x`` (index along the first dim, a view)."""
+        return TurboCode(*[None if x is None else x[i] for x in self._fields()])
+
     @staticmethod
     def cat(a: "TurboCode | None", b: "TurboCode", dim: int = 2) -> "TurboCode":
         """``a`` then ``b`` along ``dim`` (``a`` may be None: then ``b``)."""

@@ -64,14 +64,18 @@ class TableDecoder:
     """
 
     def __init__(self, codes: list[PCACode], dtype=torch.float32, columns: torch.Tensor | None = None,
-                 table_dtype: torch.dtype | None = None):
+                 table_dtype: torch.dtype | None = None, bound: float | None = None):
         self.codes, self.dtype = codes, dtype
+        # the bound only serves the choice of table dtype: a caller that keeps it (`bound`, a float that
+        # depends only on the codes) spares the next decoder of the same codes its ops and host sync
+        self._need_bound = table_dtype is not None and table_dtype != dtype and bound is None
         if _same_byte_layout(codes):
-            bound = self._build_together(codes, dtype, columns)
+            found = self._build_together(codes, dtype, columns)
         else:
-            bound = self._build_each(codes, dtype, columns)
+            found = self._build_each(codes, dtype, columns)
+        self.bound = found if bound is None else bound
         # Narrower tables halve the memory the gathers stream through; only where no value can overflow.
-        if table_dtype is not None and table_dtype != dtype and bound < torch.finfo(table_dtype).max / 2:
+        if table_dtype is not None and table_dtype != dtype and self.bound < torch.finfo(table_dtype).max / 2:
             self.tables = self.tables.to(table_dtype)
 
     def _build_together(self, codes: list[PCACode], dtype, columns: torch.Tensor | None) -> float:
@@ -95,7 +99,7 @@ class TableDecoder:
         self.byte_cols = [None] * n_codes
         self.products = [(None, [])] * n_codes
         self.width = count
-        return _row_bound(scaled, mean, runs, codes[0].levels)
+        return _row_bound(scaled, mean, runs, codes[0].levels) if self._need_bound else None
 
     def _new_tables(self, rows: int, width: int, dtype, device) -> None:
         """One buffer every table is written into in place (the tables of a block are megabytes: no
@@ -115,7 +119,8 @@ class TableDecoder:
         base, bound = 0, 0.0
         for code, runs, count in zip(codes, aligned, n_bytes):
             scaled, mean = _scaled_basis(code, dtype, columns)
-            bound = max(bound, _row_bound(scaled, mean, code.runs, code.levels))
+            if self._need_bound:
+                bound = max(bound, _row_bound(scaled, mean, code.runs, code.levels))
             row = base
             for bits, a, b, ba, bb in runs:
                 table = self.tables[row: row + 256 * (bb - ba)].view(bb - ba, 256, width_d)

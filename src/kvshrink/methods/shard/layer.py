@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
+from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials, ungroup
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes
+from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import fused
 from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
 from kvshrink.codecs.bitpack import pack_bits, unpack_bits
@@ -18,6 +18,7 @@ from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
 from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, scaled_bases, slot_plan
 from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
+from kvshrink.methods.shard.ring import ExactRing
 from kvshrink.methods.shard.salient import observed_importance, pick_salient, tokens_to_keep
 from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stacked_codes
 from kvshrink.methods.shard.shared import ShardShared
@@ -63,8 +64,9 @@ class ShardLayer(CacheLayer):
         self.cfg = shared.cfg
         self.h_kv, self.d = self.info.num_kv_heads, self.info.head_dim
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
-        self.sinks = ExactStore(dtype)
-        self.window = ExactStore(dtype)
+        self._sinks = ExactStore(dtype)
+        self._window = ExactStore(dtype)
+        self._ring: ExactRing | None = None              # sinks + window while decoding (see `ring_attend`)
         self.middle: list[MiddleBlock] = []
         self.stream = TurboSegment()
         self.decoding = False
@@ -75,6 +77,37 @@ class ShardLayer(CacheLayer):
     def shared_on_fork(self) -> list:
         return list(self.middle)  # a compressed block is never changed once made
 
+    # ---- the exact tokens: two stores, or one ring buffer while decoding -------------------------------
+    @property
+    def sinks(self) -> ExactStore:
+        self.unpack_ring()
+        return self._sinks
+
+    @property
+    def window(self) -> ExactStore:
+        self.unpack_ring()
+        return self._window
+
+    def unpack_ring(self) -> None:
+        """Back to the sinks and window stores in token order (any step but an unpadded decode step, and
+        saving, copying, inspecting); the next decode step packs them again."""
+        if self._ring is not None:
+            self._sinks, self._window = self._ring.stores()
+            self._ring = None
+
+    def __getstate__(self) -> dict:
+        # saved and copied as the two stores (the ring is a decode-time layout, rebuilt on the next step)
+        self.unpack_ring()
+        state = dict(self.__dict__)
+        state["sinks"], state["window"] = state.pop("_sinks"), state.pop("_window")
+        del state["_ring"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        state["_sinks"], state["_window"] = state.pop("sinks"), state.pop("window")
+        self.__dict__.update(state, _ring=None)
+
     # ---- attention ---------------------------------------------------------------------------------
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         if ctx.q_len > 1 and self.cfg.key_weights == "query":
@@ -83,6 +116,11 @@ class ShardLayer(CacheLayer):
             self._observer = group_queries(query[:, :, -self.cfg.observe:].float(), self.h_kv)
         exact = self.exact_partial(query, ctx)
         parts = [exact] if exact is not None else []
+        return parts + self.code_partials(query, ctx)
+
+    def code_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
+        """The partials of the compressed segments: each middle block's, then the stream's."""
+        parts = []
         for block in self.middle:
             parts.extend(self.middle_partials(block, query, ctx))
         if self.stream.n:
@@ -90,6 +128,72 @@ class ShardLayer(CacheLayer):
         if self.layer_idx == self.info.num_layers - 1:
             self.shared.end_of_step()
         return parts
+
+    # ---- a decode step on the ring --------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if not self.ring_step(ctx):
+            self.unpack_ring()
+            return super().attend(query, ctx)
+        return self.ring_attend(query, ctx)
+
+    def ring_step(self, ctx: StepContext) -> bool:
+        """Whether this step decodes on the ring: one new token, no padding, the sinks complete (a prompt
+        shorter than the sinks, or a step with several tokens, takes the generic path on the stores)."""
+        if ctx.q_len != 1 or ctx.pad_len is not None or self._sinks_len is None or ctx.past_len < self._sinks_len:
+            return False
+        return self._ring is not None or (self._sinks.index is None and self._window.index is None)
+
+    def ring_attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """`CacheLayer.attend` for a decode step on the ring: the same attention, with the sinks and the
+        window read in place (one exact partial, plus the salient rows' own) and the new token written into
+        its slot. When the exact dtype holds the new token unchanged (a 16-bit model) it is written first
+        and attended from the ring; otherwise (fp32 keys, fp16 store) it is attended exactly, as the
+        generic path does, and stored after."""
+        key, value = self._pending
+        self._pending = None
+        ring = self.decode_ring(key, ctx)
+        inside = ring.slots > self.cfg.window
+        if inside:
+            ring.put(key, value)
+        parts = [part for part in (ring.partial(query, ctx.scaling),) if part is not None]
+        if not inside:
+            parts.append(self._chunk_partial(query, key, value, ctx))
+        parts += [exact_partial(query, block.salient.keys, block.salient.values, ctx.scaling)
+                  for block in self.middle if block.salient is not None]
+        out = merge_partials(parts + self.code_partials(query, ctx)).out
+        self.decoding = True
+        self.ring_commit(ring, None if inside else (key, value))
+        return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    def decode_ring(self, key: torch.Tensor, ctx: StepContext) -> ExactRing:
+        """The ring, packed from the sinks and window stores on the first decode step after anything else;
+        one slot more than the window when the new token is attended from it (see `ring_attend`)."""
+        if self._ring is None:
+            slots = self.cfg.window + int(key.dtype == self._window.dtype)
+            self._ring = ExactRing(self._sinks, self._window, slots, key, ctx.past_len)
+            dtype = self._window.dtype
+            self._sinks, self._window = ExactStore(dtype), ExactStore(dtype)
+        return self._ring
+
+    def ring_commit(self, ring: ExactRing, new: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Tokens beyond the window leave the ring for the stream (the oldest first); ``new`` (the step's
+        key and value when not already in the ring) is stored after them."""
+        while ring.count + (new is not None) > self.cfg.window and ring.count:
+            k, v, index = ring.pop_oldest()
+            self.stream_append(k, v, index)
+        if new is None:
+            return
+        if ring.slots:
+            ring.put(*new)
+        else:  # no window at all: the token goes straight to the stream, rounded as a stored one
+            self.stream_append(*(to_storage(x, ring.dtype) for x in new), ring.start)
+            ring.start += 1
+
+    def stream_append(self, key: torch.Tensor, value: torch.Tensor, index: int) -> None:
+        """TurboQuant codes of tokens ``index ..`` (``[B, H_kv, n, d]``) added to the stream."""
+        # keys and values in one encode: half the small ops of a decode step's commit
+        both = self.shared.turbo.encode(torch.stack([key, value]).float())
+        self.stream.append(both.select(0), both.select(1), index, key.shape[2])
 
     def exact_partial(self, query: torch.Tensor, ctx: StepContext) -> Partial | None:
         """One exact attention over the sinks, the salient middle tokens and the window together (they
@@ -118,7 +222,11 @@ class ShardLayer(CacheLayer):
         in RoPE `pair_order` (a free permutation of the basis) so RoPE is one complex product."""
         pairs = pair_order(self.d, device=block.v_codes.device)
         columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
-        return TableDecoder(block.keys, columns=columns, table_dtype=torch.float16)
+        # the tables' bound (a float of the codes alone) is kept on the block: found once, not every step
+        decoder = TableDecoder(block.keys, columns=columns, table_dtype=torch.float16,
+                               bound=getattr(block, "_table_bound", None))
+        block._table_bound = decoder.bound
+        return decoder
 
     def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
                     paired: bool = False, decoder: TableDecoder | None = None,
@@ -387,7 +495,7 @@ class ShardLayer(CacheLayer):
         v_codes, codebook, scale = self.encode_values(value, rows)
         salient = None
         if self.cfg.salient > 0 and importance is not None:
-            salient = pick_salient(importance, key, value, self.cfg.salient, self.sinks.dtype, rows)
+            salient = pick_salient(importance, key, value, self.cfg.salient, self._sinks.dtype, rows)
         n = span if rows is None else rows.numel()
         block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook,
                             v_scale=scale, salient=salient, kept=kept, span=span if kept is not None else 0)
@@ -491,7 +599,11 @@ class ShardLayer(CacheLayer):
 
     # ---- accounting -------------------------------------------------------------------------------------
     def breakdown(self) -> dict[str, int]:
-        out = {"sinks": held_bytes(self.sinks.tensors()), "window": held_bytes(self.window.tensors())}
+        if self._ring is not None:  # the window's bytes include the ring's free slot
+            sinks = self._ring.sinks_nbytes()
+            out = {"sinks": sinks, "window": self._ring.nbytes() - sinks}
+        else:
+            out = {"sinks": held_bytes(self._sinks.tensors()), "window": held_bytes(self._window.tensors())}
         for kind in ("k_codes", "k_scales", "k_bases", "v_codes", "v_scales", "v_codebooks", "salient", "kept"):
             out[f"middle_{kind}"] = 0
         for block in self.middle:
@@ -515,6 +627,6 @@ class ShardLayer(CacheLayer):
 
     def clear(self) -> None:
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
-        self.sinks, self.window = ExactStore(dtype), ExactStore(dtype)
+        self._sinks, self._window, self._ring = ExactStore(dtype), ExactStore(dtype), None
         self.middle, self.stream, self.decoding = [], TurboSegment(), False
         self._query_energy = self._observer = self._sinks_len = None

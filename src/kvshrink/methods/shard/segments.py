@@ -14,7 +14,7 @@ from kvshrink.methods.shard.salient import SalientTokens
 
 
 # What the decode kernels keep on a block, derived from its fields (not saved, rebuilt on first use).
-_DERIVED = ("_slot_plan", "_device_plan", "_rows")
+_DERIVED = ("_slot_plan", "_device_plan", "_rows", "_table_bound")
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""`ExactRing`: a layer's sinks and recent window in one preallocated buffer while decoding, so a decode
+step writes its token in place and attends to every exact token of the buffer with one kernel call
+(no concatenation, no copy of the window per step)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvshrink.cache.attention import Partial, exact_partial
+from kvshrink.cache.store import ExactStore, to_storage
+
+
+class ExactRing:
+    """Keys and values ``[B, H_kv, sinks + slots, d]``: the sinks in the first rows (fixed), then a ring of
+    ``slots`` rows holding the window, oldest at ring position ``head``.
+
+    Attention is a sum over a set of tokens, so the ring's order does not matter to it; only the stores
+    it is unpacked to (`stores`) are in token order. Every row is a past token of the query and none is
+    padding (the layer uses the ring only for one unpadded row), so no mask is needed. Once the window
+    is full the whole buffer is live: the partial reads it as it is, without a copy.
+    """
+
+    def __init__(self, sinks: ExactStore, window: ExactStore, slots: int, like: torch.Tensor, next_index: int):
+        self.dtype = window.dtype
+        self.n_sinks, self.slots = len(sinks), slots
+        b, h, _, d = like.shape
+        shape = (b, h, self.n_sinks + slots, d)
+        self.keys = torch.empty(shape, dtype=self.dtype, device=like.device)
+        self.values = torch.empty(shape, dtype=self.dtype, device=like.device)
+        if self.n_sinks:
+            self.keys[:, :, :self.n_sinks] = sinks.keys
+            self.values[:, :, :self.n_sinks] = sinks.values
+        self.sinks_start = sinks.start
+        self.count = len(window)
+        if self.count > slots:
+            raise ValueError(f"a window of {self.count} tokens does not fit a ring of {slots} slots")
+        if self.count:
+            self.keys[:, :, self.n_sinks:self.n_sinks + self.count] = window.keys
+            self.values[:, :, self.n_sinks:self.n_sinks + self.count] = window.values
+        self.head = 0
+        self.start = window.start if self.count else next_index  # token index of the oldest window token
+
+    def put(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store one token ``[B, H_kv, 1, d]`` (the ring must have a free slot)."""
+        at = self.n_sinks + (self.head + self.count) % self.slots
+        self.keys[:, :, at:at + 1] = to_storage(key, self.dtype)
+        self.values[:, :, at:at + 1] = to_storage(value, self.dtype)
+        self.count += 1
+
+    def pop_oldest(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The oldest window token's key and value ``[B, H_kv, 1, d]`` (views, valid until the next `put`)
+        and its token index; its slot becomes free."""
+        at = self.n_sinks + self.head
+        index = self.start
+        self.head = (self.head + 1) % self.slots
+        self.count -= 1
+        self.start += 1
+        return self.keys[:, :, at:at + 1], self.values[:, :, at:at + 1], index
+
+    def partial(self, query: torch.Tensor, scaling: float) -> Partial | None:
+        """Exact attention of ``query`` over every token held (None when empty)."""
+        live = self.n_sinks + self.count
+        if live == 0:
+            return None
+        if live == self.keys.shape[2]:
+            return exact_partial(query, self.keys, self.values, scaling)
+        if self.head == 0:  # a window still filling: the live rows come first
+            return exact_partial(query, self.keys[:, :, :live], self.values[:, :, :live], scaling)
+        keys, values = self._in_order()  # a free slot inside the ring
+        return exact_partial(query, keys, values, scaling)
+
+    def _window_positions(self) -> torch.Tensor:
+        """Buffer rows of the window, oldest first."""
+        order = (torch.arange(self.count) + self.head) % max(1, self.slots)
+        return (order + self.n_sinks).to(self.keys.device)
+
+    def _in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the sinks then the window in token order (copies)."""
+        rows = torch.cat([torch.arange(self.n_sinks, device=self.keys.device), self._window_positions()])
+        return self.keys.index_select(2, rows), self.values.index_select(2, rows)
+
+    def stores(self) -> tuple[ExactStore, ExactStore]:
+        """The sinks and the window as `ExactStore`s in token order (copies: the ring can be dropped)."""
+        sinks, window = ExactStore(self.dtype), ExactStore(self.dtype)
+        if self.n_sinks:
+            sinks.keys = self.keys[:, :, :self.n_sinks].clone()
+            sinks.values = self.values[:, :, :self.n_sinks].clone()
+            sinks.start = self.sinks_start
+        if self.count:
+            rows = self._window_positions()
+            window.keys = self.keys.index_select(2, rows)
+            window.values = self.values.index_select(2, rows)
+        window.start = self.start
+        return sinks, window
+
+    def sinks_nbytes(self) -> int:
+        return 2 * self.keys[:, :, :self.n_sinks].numel() * self.keys.element_size()
+
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
