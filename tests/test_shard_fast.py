@@ -77,7 +77,7 @@ def test_fused_path_with_batch_padding_stream_and_several_blocks():
         assert_fast_equals_reference(cache, 1, layers=[layer.rows[i] for layer in cache.layers],
                                      ctx=row_context(cache._ctx, i))
     # the slot plans the fast path keeps per block are counted with the cache's bytes
-    plans = sum(block._slot_plan.nbytes() for row in rows for block in row.middle)
+    plans = sum(block.derived.slot_plan.nbytes() for row in rows for block in row.middle)
     assert cache.layers[0].breakdown()["middle_slot_plans"] == plans > 0
 
 

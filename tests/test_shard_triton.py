@@ -130,7 +130,7 @@ def test_triton_path_with_padding_batch_rows_stream_and_several_blocks():
     assert [len(row.middle) for row in rows] == [2, 2] and [row.stream.n for row in rows] == [3, 3]
     assert assert_triton_equals_reference(cache, batch=2, q_lens=(1, 5)) == 8
     # the device plans the GPU path built are counted with the cache's bytes
-    plans = sum(block._device_plan.nbytes() for row in rows for block in row.middle)
+    plans = sum(block.derived.gpu.nbytes() for row in rows for block in row.middle)
     assert rows[0].breakdown()["middle_device_plans"] + rows[1].breakdown()["middle_device_plans"] == plans > 0
 
 
@@ -427,14 +427,16 @@ from triton.compiler import ASTSource, compile
 from kvshrink.kernels import shard_code_attention as sca
 
 t, target = sca.GPU_TILES, GPUTarget("cuda", 90, 32)
-sig = dict(codes_ptr="*u8", bit_ptr="*i32", bits_ptr="*i32", level_ptr="*i32", levels_ptr="*fp32",
-           scaled_ptr="*bf16", mean_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16", out_ptr="*fp32",
-           scaling="fp32", n="i32", n_bytes="i32", rank="i32", width="i32", heads="i32", rows="i32",
-           heads_per_scope="i32", n_scopes="i32", HEAD_DIM="constexpr", HALF="constexpr", BLOCK_N="constexpr",
-           BLOCK_K="constexpr", BLOCK_R="constexpr")
-k = compile(ASTSource(sca._scores_kernel, sig, dict(HEAD_DIM=128, HALF=64, BLOCK_N=t.n, BLOCK_K=t.k, BLOCK_R=t.r)),
-            target=target)
-assert "cubin" in k.asm, list(k.asm)
+ptrs = dict(codes_ptr="*u8", bit_ptr="*i32", bits_ptr="*i32", level_ptr="*i32", levels_ptr="*fp32",
+            basis_ptr="*i8", row_a_ptr="*fp16", row_b_ptr="*fp16", col_scale_ptr="*fp16", mean_ptr="*fp16",
+            held_ptr="*u8", cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16", out_ptr="*fp32", scaling="fp32")
+sig = {name: ptrs.get(name, "constexpr" if name.isupper() else "i32") for name in sca._scores_kernel.arg_names}
+for paired, extra in ((False, True), (True, False)):    # the stored int8 basis with its factors; pre-scaled
+    consts = dict(HEAD_DIM=128, HALF=64, PAIR_STEP=2 if paired else 1, COL_SCALE=extra, HELD=extra,
+                  BLOCK_N=t.n, BLOCK_K=t.k, BLOCK_R=t.r)
+    k = compile(ASTSource(sca._scores_kernel, dict(sig, basis_ptr="*fp32" if paired else "*i8"), consts),
+                target=target)
+    assert "cubin" in k.asm, list(k.asm)
 sig = dict(scores_ptr="*fp32", lse_ptr="*fp32", vcodes_ptr="*u8", bins_ptr="*fp32", n="i32", v_bytes="i32",
            rows="i32", n_groups="i32", V_BITS="constexpr", ENTRIES="constexpr", ENTRIES_P="constexpr",
            GROUPS="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr")

@@ -1,27 +1,27 @@
 """Triton kernels for Shard's compressed middle: `code_attention`, the GPU twin of
 `kvshrink.codecs.fused.code_attention` (same inputs, same outputs, so the layer calls either).
 
-One block of coded tokens is answered in two kernels and a small combine, without materialising the
-block's keys or values:
+One block of coded tokens is answered in two kernels, without materialising the block's keys or values:
 
 1. `_scores_kernel`, grid ``(B * H_kv, token tiles)``: for a tile of tokens of one KV head, each PCA
    coefficient is read from the packed key codes (bit offset, width and level table of every component
    come from a `ComponentPlan`, precomputed once per block as device tensors), turned into its level, and
    the tile's pre-RoPE keys are ``mean + coefficients @ scaled basis`` (one ``tl.dot`` per chunk of
-   components, even and odd RoPE channels apart); RoPE is one complex product per pair; the scores
-   against the grouped queries (row tiles, any number of rows) are written out ``[B, H_kv, R, n]``
-   (float32: scores, not keys).
-2. In torch, no host synchronisation: held (salient) rows are set to ``-inf`` by a scatter and the
-   log-sum-exp over the block is taken per row.
-3. `_bins_kernel`, grid ``(B * H_kv, value group tiles, row tiles)``: the softmax probabilities
-   ``exp(score - lse)`` summed per value codeword of each group: one ``tl.dot`` of the probability tile
-   with the one-hot of the tile's codes (a few groups side by side, up to 256 columns), accumulated over
-   the tokens in the program (no atomics: the same result on every run).
+   components, even and odd RoPE channels apart), the basis scaled in the kernel from the block's stored
+   int8 basis and its per-row steps (`KeyBasis`: no scaled copy kept or rebuilt per step); RoPE is one
+   complex product per pair; held (salient) rows, given as bits, are set to ``-inf``; the scores against
+   the grouped queries (row tiles, any number of rows) are written out ``[B, H_kv, R, n]`` (float32:
+   scores, not keys).
+2. `_bins_kernel`, grid ``(B * H_kv, value group tiles, row tiles)``: the rows' log-sum-exp (a pass over
+   their scores), then the softmax probabilities ``exp(score - lse)`` summed per value codeword of each
+   group: one ``tl.dot`` of the probability tile with the one-hot of the tile's codes (a few groups side
+   by side, up to 256 columns), accumulated over the tokens in the program (no atomics: the same result
+   on every run).
 
 The decode stream (tokens that left the window while decoding, TurboQuant codes) has its own two kernels,
 `turbo_attention`: scores straight from the codes against the rotated queries (QJL sketch term included),
-then the probabilities times the norms summed against the codes' centroids; only the queries' rotation,
-the log-sum-exp and the final unrotation are torch ops.
+then the log-sum-exp and the probabilities times the norms summed against the codes' centroids; only
+the queries' rotation and the final unrotation are torch ops.
 
 Everything accumulates in float32 (``tl.dot`` with ``input_precision="ieee"``, no TF32); codes, bases and
 queries may be float16/bfloat16/float32. Triton is imported through `kvshrink.kernels.backend.triton`
@@ -43,7 +43,8 @@ from kvshrink.kernels.backend import triton as _load_triton
 triton = _load_triton()     # the backend chose interpreter or GPU before (or despite) the import
 tl = triton.language
 
-__all__ = ["ComponentPlan", "component_plan", "code_attention", "code_scores", "code_bins", "Tiles", "GPU_TILES"]
+__all__ = ["ComponentPlan", "component_plan", "KeyBasis", "paired_basis", "stored_basis", "BlockInputs", "held_bits",
+           "block_attention", "code_attention", "code_scores", "code_bins", "Tiles", "GPU_TILES"]
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,12 @@ def _pow2(x: int, low: int = 16) -> int:
 
 
 @triton.jit
-def _scores_kernel(codes_ptr, bit_ptr, bits_ptr, level_ptr, levels_ptr, scaled_ptr, mean_ptr, cos_ptr, sin_ptr,
-                   q_ptr, out_ptr, scaling, n, n_bytes, rank, width, heads, rows, heads_per_scope, n_scopes,
-                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+def _scores_kernel(codes_ptr, bit_ptr, bits_ptr, level_ptr, levels_ptr, basis_ptr, row_a_ptr, row_b_ptr,
+                   col_scale_ptr, mean_ptr, held_ptr, cos_ptr, sin_ptr, q_ptr, out_ptr, scaling, n, n_bytes, rank,
+                   width, heads, rows, heads_per_scope, n_scopes, basis_scope_stride, basis_k_stride,
+                   basis_col_stride, odd_offset, held_bytes, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                   PAIR_STEP: tl.constexpr, COL_SCALE: tl.constexpr, HELD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = pid_bh // heads
@@ -132,12 +135,20 @@ def _scores_kernel(codes_ptr, bit_ptr, bits_ptr, level_ptr, levels_ptr, scaled_p
     t_ok = offs_t < n
     offs_p = tl.arange(0, HALF)
     p_ok = offs_p < half
-    even = col0 + 2 * offs_p
-    odd = even + 1
+    # channel of each RoPE pair's even and odd half, in the basis columns and the queries alike
+    ch_e = PAIR_STEP * offs_p
+    ch_o = ch_e + odd_offset
+    even = col0 + ch_e
+    odd = col0 + ch_o
 
     # pre-RoPE keys of the tile, even and odd channels of each RoPE pair apart, starting at the mean
     mean_e = tl.load(mean_ptr + s * width + even, mask=p_ok, other=0.0).to(tl.float32)
     mean_o = tl.load(mean_ptr + s * width + odd, mask=p_ok, other=0.0).to(tl.float32)
+    if COL_SCALE:
+        cs_e = tl.load(col_scale_ptr + s * width + even, mask=p_ok, other=0.0).to(tl.float32)
+        cs_o = tl.load(col_scale_ptr + s * width + odd, mask=p_ok, other=0.0).to(tl.float32)
+        mean_e = mean_e * cs_e
+        mean_o = mean_o * cs_o
     k_e = tl.full((BLOCK_N, HALF), 0.0, tl.float32) + mean_e[None, :]
     k_o = tl.full((BLOCK_N, HALF), 0.0, tl.float32) + mean_o[None, :]
 
@@ -156,10 +167,18 @@ def _scores_kernel(codes_ptr, bit_ptr, bits_ptr, level_ptr, levels_ptr, scaled_p
         hi = tl.load(row_codes[:, None] + byte[None, :] + 1, mask=two, other=0).to(tl.int32)
         value = ((lo | (hi << 8)) >> shift[None, :]) & ((1 << nb[None, :]) - 1)
         coeff = tl.load(levels_ptr + lv[None, :] + value, mask=live, other=0.0)      # [BLOCK_N, BLOCK_K]
-        basis = scaled_ptr + (s * rank + offs_k[:, None]) * width
+        # each basis row times its two steps, in the order the torch path multiplies them (same floats)
+        a = tl.load(row_a_ptr + s * rank + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        a2 = tl.load(row_b_ptr + s * rank + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        basis = basis_ptr + s * basis_scope_stride + offs_k[:, None] * basis_k_stride
         b_ok = k_ok[:, None] & p_ok[None, :]
-        basis_e = tl.load(basis + even[None, :], mask=b_ok, other=0.0).to(tl.float32)  # [BLOCK_K, HALF]
-        basis_o = tl.load(basis + odd[None, :], mask=b_ok, other=0.0).to(tl.float32)
+        basis_e = tl.load(basis + even[None, :] * basis_col_stride, mask=b_ok, other=0.0).to(tl.float32)
+        basis_o = tl.load(basis + odd[None, :] * basis_col_stride, mask=b_ok, other=0.0).to(tl.float32)
+        basis_e = basis_e * a[:, None] * a2[:, None]                                  # [BLOCK_K, HALF]
+        basis_o = basis_o * a[:, None] * a2[:, None]
+        if COL_SCALE:
+            basis_e = basis_e * cs_e[None, :]
+            basis_o = basis_o * cs_o[None, :]
         k_e = tl.dot(coeff, basis_e, k_e, input_precision="ieee")
         k_o = tl.dot(coeff, basis_o, k_o, input_precision="ieee")
 
@@ -170,18 +189,44 @@ def _scores_kernel(codes_ptr, bit_ptr, bits_ptr, level_ptr, levels_ptr, scaled_p
     sn = tl.load(sin_ptr + rope_at, mask=rope_ok, other=0.0).to(tl.float32)
     re = k_e * c - k_o * sn
     im = k_e * sn + k_o * c
+    if HELD:   # rows held exact elsewhere (salient): their codes are not attended
+        bit = tl.load(held_ptr + pid_bh * held_bytes + (offs_t >> 3), mask=t_ok, other=0).to(tl.int32)
+        held = ((bit >> (offs_t & 7)) & 1) != 0
 
     for r0 in range(0, rows, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < rows
-        q_at = q_ptr + ((pid_bh * rows + offs_r[:, None]) * HEAD_DIM + 2 * offs_p[None, :])
+        q_at = q_ptr + (pid_bh * rows + offs_r[:, None]) * HEAD_DIM
         q_ok = r_ok[:, None] & p_ok[None, :]
-        q_e = tl.load(q_at, mask=q_ok, other=0.0).to(tl.float32)
-        q_o = tl.load(q_at + 1, mask=q_ok, other=0.0).to(tl.float32)
+        q_e = tl.load(q_at + ch_e[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        q_o = tl.load(q_at + ch_o[None, :], mask=q_ok, other=0.0).to(tl.float32)
         sc = tl.dot(q_e, tl.trans(re), input_precision="ieee")
         sc = tl.dot(q_o, tl.trans(im), sc, input_precision="ieee") * scaling          # [BLOCK_R, BLOCK_N]
+        if HELD:
+            sc = tl.where(held[None, :], float("-inf"), sc)
         tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], sc,
                  mask=r_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _rows_lse(scores_ptr, row0, offs_r, r_ok, n, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Log-sum-exp ``[BLOCK_R]`` of score rows ``row0 + offs_r`` (``n`` each; -inf where all are -inf):
+    the maximum first, then the sum of the shifted exponentials, as ``torch.logsumexp``."""
+    top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for t0 in range(0, n, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        sc = tl.load(scores_ptr + (row0 + offs_r[:, None]) * n + offs_t[None, :],
+                     mask=r_ok[:, None] & (offs_t < n)[None, :], other=float("-inf"))
+        top = tl.maximum(top, tl.max(sc, 1))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.full((BLOCK_R,), 0.0, tl.float32)
+    for t0 in range(0, n, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        sc = tl.load(scores_ptr + (row0 + offs_r[:, None]) * n + offs_t[None, :],
+                     mask=r_ok[:, None] & (offs_t < n)[None, :], other=float("-inf"))
+        total += tl.sum(tl.exp(sc - top[:, None]), 1)
+    # no log of 0 (a row of -inf, or a row past the rows): -inf directly
+    return tl.where(total > 0, top + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
 
 
 @triton.jit
@@ -194,7 +239,13 @@ def _bins_kernel(scores_ptr, lse_ptr, vcodes_ptr, bins_ptr, n, v_bytes, rows, n_
     pid_r = tl.program_id(2)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rows
-    lse = tl.load(lse_ptr + pid_bh * rows + offs_r, mask=r_ok, other=0.0)
+    # every program of a row tile finds its log-sum-exp (a pass over the scores, no extra launch); the
+    # first group tile writes it
+    lse = _rows_lse(scores_ptr, pid_bh * rows, offs_r, r_ok, n, BLOCK_N, BLOCK_R)
+    if g0 == 0:
+        tl.store(lse_ptr + pid_bh * rows + offs_r, lse, mask=r_ok)
+    # a row whose tokens are all held exact elsewhere has lse -inf: its probabilities are zeros
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
     offs_g = g0 + tl.arange(0, GROUPS)
     g_ok = offs_g < n_groups
     bit = offs_g * V_BITS
@@ -223,49 +274,149 @@ def _bins_kernel(scores_ptr, lse_ptr, vcodes_ptr, bins_ptr, n, v_bytes, rows, n_
              acc, mask=r_ok[:, None] & ((g < n_groups) & (e < ENTRIES))[None, :])
 
 
-def code_scores(codes: torch.Tensor, plan: ComponentPlan, scaled: torch.Tensor, mean: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, scaling: float,
+@dataclass
+class KeyBasis:
+    """A block's key basis as `_scores_kernel` reads it: ``basis`` (any dtype) addressed as ``[scope,
+    component, column]`` by ``strides``, each component times ``row_a`` then ``row_b`` ``[S, r]`` and each
+    column times ``column_scale [S, W]`` (None: 1), as `codecs.table_decoder.scaled_bases` multiplies
+    them; ``mean [S, W]`` (times the column scale too). ``paired``: columns and the queries' channels in
+    RoPE `pair_order`, else in the model's order."""
+
+    basis: torch.Tensor
+    strides: tuple[int, int, int]
+    row_a: torch.Tensor
+    row_b: torch.Tensor
+    column_scale: torch.Tensor | None
+    mean: torch.Tensor
+    paired: bool
+
+    @property
+    def rank(self) -> int:
+        return self.row_a.shape[1]
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors made for the kernel (``basis`` is a view of the block's own)."""
+        made = (self.row_a, self.row_b, self.column_scale, self.mean)
+        return sum(t.numel() * t.element_size() for t in made if t is not None)
+
+
+def paired_basis(scaled: torch.Tensor, mean: torch.Tensor) -> KeyBasis:
+    """The `KeyBasis` of bases already scaled (`scaled_bases` ``[S, r, W]``, columns in pair order)."""
+    if scaled.shape[1] == 0:   # no component kept: the keys are the means
+        scaled = torch.zeros(scaled.shape[0], 1, scaled.shape[2], dtype=torch.float32, device=scaled.device)
+    ones = torch.ones(scaled.shape[:2], dtype=torch.float32, device=scaled.device)
+    return KeyBasis(scaled, tuple(scaled.stride()), ones, ones, None, mean.contiguous(), paired=True)
+
+
+def stored_basis(codes: list, basis_q: torch.Tensor) -> KeyBasis:
+    """The `KeyBasis` of a block's PCA scopes ``codes`` read where they are stored: the int8 bases stacked
+    ``basis_q [S, W, r]`` (`segments.stack_scopes`), columns in the model's order; their small per-row
+    and per-column factors stacked once (zero past a scope's rank)."""
+    rank = max(1, basis_q.shape[2])
+
+    def stack(field: str, length: int) -> torch.Tensor:
+        rows = [getattr(code, field) for code in codes]
+        return torch.stack([torch.nn.functional.pad(x, (0, length - x.shape[-1])) for x in rows])
+
+    if basis_q.shape[2] == 0:
+        basis_q = torch.zeros(basis_q.shape[0], basis_q.shape[1], 1, dtype=torch.int8, device=basis_q.device)
+    scope, column, component = basis_q.stride()
+    column_scale = None if codes[0].column_scale is None else stack("column_scale", basis_q.shape[1])
+    return KeyBasis(basis_q, (scope, component, column), stack("basis_scale", rank), stack("coeff_step", rank),
+                    column_scale, stack("mean", basis_q.shape[1]), paired=False)
+
+
+@dataclass
+class BlockInputs:
+    """What `block_attention` reads of one middle block, prepared once per block (kept on it, see
+    `segments.BlockDerived`): the stacked key codes ``[B, S, n, bytes]`` (a view of the block's), their
+    `ComponentPlan` and `KeyBasis`, the held rows as bits ``[B, H_kv, ceil(n/8)]`` (None: none), the value
+    codes and their width, and the value codebook and scales in float32."""
+
+    codes: torch.Tensor
+    plan: ComponentPlan
+    basis: KeyBasis
+    held: torch.Tensor | None
+    v_codes: torch.Tensor
+    v_bits: int
+    n_groups: int
+    codebook: torch.Tensor
+    v_scale: torch.Tensor
+
+    def nbytes(self) -> int:
+        """Bytes made for the kernels (the codes are the block's own)."""
+        made = [self.held, self.codebook, self.v_scale]
+        return self.plan.nbytes() + self.basis.nbytes() + sum(t.numel() * t.element_size()
+                                                              for t in made if t is not None)
+
+
+def held_bits(hidden: torch.Tensor, n: int) -> torch.Tensor:
+    """Block rows ``hidden [B, H_kv, m]`` as packed bits ``[B, H_kv, ceil(n/8)]`` (bit ``t % 8`` of byte
+    ``t // 8`` set when row ``t`` is held), what `_scores_kernel` masks."""
+    from kvshrink.codecs.bitpack import pack_bits
+
+    mask = torch.zeros(*hidden.shape[:2], n, dtype=torch.uint8, device=hidden.device)
+    return pack_bits(mask.scatter_(2, hidden.long(), 1), 1)
+
+
+def code_scores(codes: torch.Tensor, plan: ComponentPlan, basis: KeyBasis, cos: torch.Tensor, sin: torch.Tensor,
+                query: torch.Tensor, scaling: float, held: torch.Tensor | None = None,
                 tiles: Tiles | None = None) -> torch.Tensor:
-    """Scaled scores ``[B, H_kv, R, n]`` float32 of grouped ``query [B, H_kv, R, d]`` (pair order)
-    against the block's keys rebuilt from ``codes [B, S, n, bytes]`` (see `code_attention`)."""
+    """Scaled scores ``[B, H_kv, R, n]`` float32 of grouped ``query [B, H_kv, R, d]`` (channels in the
+    basis's order) against the block's keys rebuilt from ``codes [B, S, n, bytes]``, ``-inf`` at the
+    ``held`` rows (see `code_attention`)."""
     batch, heads, rows, head_dim = query.shape
     n_scopes, n, n_bytes = codes.shape[1], codes.shape[2], codes.shape[3]
-    rank, width = scaled.shape[1], scaled.shape[2]
+    width = basis.mean.shape[1]
     out = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=query.device)
     if n == 0 or rows == 0:
         return out
-    if rank == 0:   # no component kept: the keys are the means
-        scaled = torch.zeros(n_scopes, 1, width, dtype=torch.float32, device=query.device)
-        rank = 1
     tiles = tiles or default_tiles()
     grid = (batch * heads, triton.cdiv(n, tiles.n))
+    column_scale = basis.mean if basis.column_scale is None else basis.column_scale
+    held_at = codes if held is None else held
     with counting.kernel_launch("shard_scores"):
-        _scores_kernel[grid](codes.contiguous(), plan.bit, plan.bits, plan.level, plan.levels, scaled.contiguous(),
-                             mean.contiguous(), cos.contiguous(), sin.contiguous(), query.contiguous(), out,
-                             float(scaling), n, n_bytes, rank, width, heads, rows, heads // n_scopes, n_scopes,
-                             HEAD_DIM=head_dim, HALF=_pow2(head_dim // 2), BLOCK_N=tiles.n, BLOCK_K=tiles.k,
-                             BLOCK_R=tiles.r)
+        _scores_kernel[grid](codes.contiguous(), plan.bit, plan.bits, plan.level, plan.levels, basis.basis,
+                             basis.row_a, basis.row_b, column_scale, basis.mean, held_at, cos.contiguous(),
+                             sin.contiguous(), query.contiguous(), out, float(scaling), n, n_bytes, basis.rank,
+                             width, heads, rows, heads // n_scopes, n_scopes, *basis.strides,
+                             1 if basis.paired else head_dim // 2, held_at.shape[-1],
+                             HEAD_DIM=head_dim, HALF=_pow2(head_dim // 2), PAIR_STEP=2 if basis.paired else 1,
+                             COL_SCALE=basis.column_scale is not None, HELD=held is not None,
+                             BLOCK_N=tiles.n, BLOCK_K=tiles.k, BLOCK_R=tiles.r)
     return out
 
 
-def code_bins(scores: torch.Tensor, lse: torch.Tensor, v_codes: torch.Tensor, v_bits: int,
-              n_groups: int, tiles: Tiles | None = None) -> torch.Tensor:
-    """``bins [B, H_kv, R, n_groups * 2**v_bits]``: ``exp(scores - lse)`` summed per value group and
-    codeword (``lse`` finite: a fully masked row has scores ``-inf`` and gets zeros)."""
+def code_bins(scores: torch.Tensor, v_codes: torch.Tensor, v_bits: int, n_groups: int,
+              tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])``: the softmax probabilities of
+    ``scores`` summed per value group and codeword, and the scores' log-sum-exp (``-inf`` for a fully
+    masked row, whose bins are zeros)."""
     batch, heads, rows, n = scores.shape
     entries = 1 << v_bits
-    bins = torch.zeros(batch, heads, rows, n_groups * entries, dtype=torch.float32, device=scores.device)
     if n == 0 or rows == 0:
-        return bins
+        return (torch.zeros(batch, heads, rows, n_groups * entries, dtype=torch.float32, device=scores.device),
+                torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=scores.device))
+    # the kernel writes every element of both (no fill launched)
+    bins = torch.empty(batch, heads, rows, n_groups * entries, dtype=torch.float32, device=scores.device)
+    lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=scores.device)
     tiles = tiles or default_tiles()
     entries_p = _pow2(entries)
     groups = min(triton.next_power_of_2(n_groups), max(1, tiles.bin_columns // entries_p))
     grid = (batch * heads, triton.cdiv(n_groups, groups), triton.cdiv(rows, tiles.r))
     with counting.kernel_launch("shard_bins"):
-        _bins_kernel[grid](scores.contiguous(), lse.contiguous(), v_codes.contiguous(), bins, n, v_codes.shape[-1],
+        _bins_kernel[grid](scores.contiguous(), lse, v_codes.contiguous(), bins, n, v_codes.shape[-1],
                            rows, n_groups, V_BITS=v_bits, ENTRIES=entries, ENTRIES_P=entries_p, GROUPS=groups,
                            BLOCK_N=tiles.n, BLOCK_R=tiles.r)
-    return bins
+    return bins, lse
+
+
+def block_attention(inputs: BlockInputs, cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor,
+                    scaling: float, tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bins, lse)`` of grouped ``query [B, H_kv, R, d]`` (the model's channel order) over one block
+    prepared as `BlockInputs`: two kernels, nothing else launched."""
+    scores = code_scores(inputs.codes, inputs.plan, inputs.basis, cos, sin, query, scaling, inputs.held, tiles)
+    return code_bins(scores, inputs.v_codes, inputs.v_bits, inputs.n_groups, tiles)
 
 
 def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
@@ -273,20 +424,13 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
                    v_codes: torch.Tensor, v_bits: int, n_groups: int,
                    tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`kvshrink.codecs.fused.code_attention` on the GPU path: the same arguments (``plan`` a `SlotPlan`,
-    or its `ComponentPlan` already on the device, as the layer keeps it) and the same result,
-    ``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])`` float32, with no host
-    synchronisation (given a `ComponentPlan`)."""
+    or its `ComponentPlan` already on the device) and the same result, ``(bins [B, H_kv, R, n_groups *
+    2**v_bits], lse [B, H_kv, R])`` float32. The layer prepares a block once instead (`block_attention`)."""
     if not isinstance(plan, ComponentPlan):
         plan = component_plan(plan, scaled.shape[1], codes.device)
-    scores = code_scores(codes, plan, scaled, mean, cos, sin, query, scaling, tiles)
-    if hidden is not None and hidden.shape[-1]:
-        index = hidden.long().unsqueeze(2).expand(-1, -1, scores.shape[2], -1)
-        scores.scatter_(3, index, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    # a row whose tokens are all held exact elsewhere has lse -inf: its probabilities are zeros
-    bins = code_bins(scores, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse), v_codes, v_bits, n_groups,
-                     tiles)
-    return bins, lse
+    held = held_bits(hidden, codes.shape[2]) if hidden is not None and hidden.shape[-1] else None
+    scores = code_scores(codes, plan, paired_basis(scaled, mean), cos, sin, query, scaling, held, tiles)
+    return code_bins(scores, v_codes, v_bits, n_groups, tiles)
 
 
 # ---- the decode stream: TurboQuant codes -------------------------------------------------------------------
@@ -354,7 +498,8 @@ def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_pt
     offs_i = tl.arange(0, DP)
     i_ok = offs_i < dim
     row0 = pid_bh * n
-    lse = tl.load(lse_ptr + pid_bh * rows + offs_r, mask=r_ok, other=0.0)
+    lse = _rows_lse(scores_ptr, pid_bh * rows, offs_r, r_ok, n, BLOCK_N, BLOCK_R)    # no torch op between
+    tl.store(lse_ptr + pid_bh * rows + offs_r, lse, mask=r_ok)
     acc = tl.full((BLOCK_R, DP), 0.0, tl.float32)
     acc_z = tl.full((BLOCK_R, DP), 0.0, tl.float32)
     for t0 in range(0, n, BLOCK_N):
@@ -363,7 +508,7 @@ def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_pt
         sc = tl.load(scores_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :],
                      mask=r_ok[:, None] & t_ok[None, :], other=float("-inf"))
         norm = tl.load(norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
-        w = tl.exp(sc - lse[:, None]) * norm[None, :]
+        w = tl.exp(sc - tl.where(r_ok, lse, 0.0)[:, None]) * norm[None, :]
         y = _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
         acc = tl.dot(w, y, acc, input_precision="ieee")
         if QJL:
@@ -395,7 +540,7 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     qjl = turbo.qjl
     qjl_scale = math.sqrt(math.pi / 2) / dim
     dp = _pow2(dim)
-    dummy = torch.zeros(1, device=device)
+    dummy = keys.norm   # stands for the QJL tensors when there are none (never read): no allocation
 
     def qjl_args(code):
         if not qjl:
@@ -410,7 +555,7 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
             keys.codes.contiguous(), keys.norm.contiguous(), centroids, qrot, signs, qjl_norm, qs, scores,
             float(scaling), qjl_scale, n, keys.codes.shape[-1], sign_bytes, rows, dim,
             BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
-    lse = torch.logsumexp(scores, dim=-1)
+    lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=device)
     out = torch.empty(batch, heads, rows, dim, dtype=torch.float32, device=device)
     out_z = torch.empty_like(out) if qjl else dummy
     signs, qjl_norm, sign_bytes = qjl_args(values)

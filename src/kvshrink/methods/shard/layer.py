@@ -20,7 +20,7 @@ from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
 from kvshrink.methods.shard.salient import observed_importance, pick_salient, tokens_to_keep
-from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stacked_codes
+from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stack_scopes, stacked_codes
 from kvshrink.methods.shard.shared import ShardShared
 
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
@@ -223,9 +223,8 @@ class ShardLayer(CacheLayer):
         pairs = pair_order(self.d, device=block.v_codes.device)
         columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
         # the tables' bound (a float of the codes alone) is kept on the block: found once, not every step
-        decoder = TableDecoder(block.keys, columns=columns, table_dtype=torch.float16,
-                               bound=getattr(block, "_table_bound", None))
-        block._table_bound = decoder.bound
+        decoder = TableDecoder(block.keys, columns=columns, table_dtype=torch.float16, bound=block.derived.table_bound)
+        block.derived.table_bound = decoder.bound
         return decoder
 
     def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
@@ -264,17 +263,21 @@ class ShardLayer(CacheLayer):
         values = codebook[idx].reshape(b, h, n, self.d)
         return self.unscale_values(block, probs @ values)
 
-    def values_from_bins(self, block: MiddleBlock, bins: torch.Tensor) -> torch.Tensor:
+    def values_from_bins(self, block: MiddleBlock, bins: torch.Tensor, codebook: torch.Tensor | None = None,
+                         scale: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output ``[B, H_kv, R, d]`` from the probabilities summed per value group and codeword
-        ``bins [B, H_kv, R, groups * entries]``: one product with the codebook."""
-        k_entries = block.v_codebook.shape[0]
+        ``bins [B, H_kv, R, groups * entries]``: one product with the codebook (``codebook`` and ``scale``:
+        the block's in float32, when already made)."""
+        codebook = block.v_codebook.float() if codebook is None else codebook
         b, h, r, _ = bins.shape
-        rotated = bins.reshape(b, h, r, -1, k_entries) @ block.v_codebook.float()
-        return self.unscale_values(block, rotated.reshape(b, h, r, self.d))
+        rotated = bins.reshape(b, h, r, -1, codebook.shape[0]) @ codebook
+        return self.unscale_values(block, rotated.reshape(b, h, r, self.d), scale)
 
-    def unscale_values(self, block: MiddleBlock, rotated: torch.Tensor) -> torch.Tensor:
+    def unscale_values(self, block: MiddleBlock, rotated: torch.Tensor, scale: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """Rotated, scaled value sums ``[B, H_kv, R, d]`` -> in the model's value space."""
-        return self.shared.rotation.unrotate(rotated * block.v_scale.float()[None, :, None, :])
+        scale = block.v_scale.float() if scale is None else scale
+        return self.shared.rotation.unrotate(rotated * scale[None, :, None, :])
 
     def middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         if self.use_triton_kernel(query):
@@ -313,65 +316,60 @@ class ShardLayer(CacheLayer):
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
 
     def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
-        """The block's partial from the Triton kernels (`kernels.shard_code_attention`): the same result
-        as `fused_middle_partial`, on any device, with no host synchronisation once the block's
-        `ComponentPlan` and kept rows are on the device (built on first use, kept on the block). Query
-        rows are taken in slices whose scores stay under ``_SCORE_ELEMENTS`` (prefill-with-past)."""
+        """The block's partial from the Triton kernels (`kernels.shard_code_attention.block_attention`): the
+        same result as `fused_middle_partial`, on any device, with no host synchronisation and nothing but
+        the two kernels and the values' three products launched once the block's `BlockInputs` are built
+        (first use, kept on the block). Query rows are taken in slices whose scores stay under
+        ``_SCORE_ELEMENTS`` (prefill-with-past)."""
         from kvshrink.kernels import shard_code_attention as sca
 
-        pairs = pair_order(self.d, device=query.device)
-        qg = group_queries(query.float(), self.h_kv)[..., pairs].contiguous()  # keys come in pair order
-        plan = self.slot_plan(block)
-        device_plan = self.device_plan(block, plan)
-        scaled, mean = scaled_bases(block.keys, plan.columns)
+        qg = group_queries(query, self.h_kv)        # the model's channel order: the kernel pairs them
+        inputs = self.block_inputs(block)
         cos, sin = self.shared.pair_rope(ctx, block.start, block.covers, self.block_rows(block))
-        hidden = None if block.salient is None else block.salient.index
-        k_entries, group = block.v_codebook.shape
-        codes = stacked_codes(block.keys)
         b, _, r, _ = qg.shape
         step = max(1, min(r, _SCORE_ELEMENTS // max(1, b * self.h_kv * block.n)))
-        bins, lse = [], []
-        for start in range(0, r, step):
-            part = sca.code_attention(codes, device_plan, scaled, mean, cos, sin, qg[:, :, start:start + step],
-                                      ctx.scaling, hidden, block.v_codes, int(math.log2(k_entries)), self.d // group)
-            bins.append(part[0]), lse.append(part[1])
-        bins, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in (bins, lse))
-        out = self.values_from_bins(block, bins)
+        parts = [sca.block_attention(inputs, cos, sin, qg[:, :, start:start + step], ctx.scaling)
+                 for start in range(0, r, step)]
+        bins, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in zip(*parts))
+        out = self.values_from_bins(block, bins, inputs.codebook, inputs.v_scale)
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
 
-    def device_plan(self, block: MiddleBlock, plan: SlotPlan | None = None):
-        """The block's `kernels.shard_code_attention.ComponentPlan` (bit offset, width and level table of
-        each key component, int32 on the block's device), built on first use and kept on the block like
-        its slot plan (counted in `breakdown`)."""
-        from kvshrink.kernels.shard_code_attention import component_plan
+    def block_inputs(self, block: MiddleBlock):
+        """The block's `kernels.shard_code_attention.BlockInputs`, built on first use and kept on the block
+        (`MiddleBlock.derived`, counted in `breakdown`): its scopes' codes and int8 bases stacked in place
+        (`stack_scopes`: no second copy), the bit layout, the small basis factors, the held rows as bits,
+        the value codebook and scales in float32."""
+        from kvshrink.kernels import shard_code_attention as sca
 
-        cached = getattr(block, "_device_plan", None)
-        if cached is None:
-            plan = plan or self.slot_plan(block)
-            rank = max(code.rank for code in block.keys)
-            cached = component_plan(plan, rank, block.v_codes.device)
-            block._device_plan = cached
-        return cached
+        derived = block.derived
+        if derived.gpu is None:
+            device = block.v_codes.device
+            codes, basis_q = stack_scopes(block.keys)
+            plan = sca.component_plan(self.slot_plan(block), max(code.rank for code in block.keys), device)
+            held = None if block.salient is None else sca.held_bits(block.salient.index, block.n)
+            k_entries, group = block.v_codebook.shape
+            derived.gpu = sca.BlockInputs(codes, plan, sca.stored_basis(block.keys, basis_q), held, block.v_codes,
+                                          int(math.log2(k_entries)), self.d // group, block.v_codebook.float(),
+                                          block.v_scale.float())
+        return derived.gpu
 
     def block_rows(self, block: MiddleBlock) -> torch.Tensor | None:
         """`MiddleBlock.rows`, kept on the block after the first call (found with a host sync once per
         block, not per step; set when the block is made when it is made on the GPU path)."""
         if block.kept is None:
             return None
-        rows = getattr(block, "_rows", None)
-        if rows is None:
-            rows = block._rows = block.rows()
-        return rows
+        if block.derived.rows is None:
+            block.derived.rows = block.rows()
+        return block.derived.rows
 
     def slot_plan(self, block: MiddleBlock) -> SlotPlan:
         """The block's `SlotPlan` (key codes' run layout as integers, a few hundred bytes), built on first
-        use and kept on the block outside its dataclass fields: rebuilt after a block is copied or loaded."""
-        plan = getattr(block, "_slot_plan", None)
-        if plan is None:
+        use and kept on the block (`MiddleBlock.derived`): rebuilt after a block is copied or loaded."""
+        if block.derived.slot_plan is None:
             pairs = pair_order(self.d, device=block.v_codes.device)
-            plan = slot_plan(block.keys, columns=torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))]))
-            block._slot_plan = plan
-        return plan
+            columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
+            block.derived.slot_plan = slot_plan(block.keys, columns=columns)
+        return block.derived.slot_plan
 
     def reference_middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         qg = group_queries(query.float(), self.h_kv)  # [B, H_kv, R, d]
@@ -500,7 +498,7 @@ class ShardLayer(CacheLayer):
         block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook,
                             v_scale=scale, salient=salient, kept=kept, span=span if kept is not None else 0)
         if rows is not None and backend.gpu_path(key):
-            block._rows = rows  # the decode steps' RoPE positions, without a sync on first use
+            block.derived.rows = rows  # the decode steps' RoPE positions, without a sync on first use
         return block
 
     def encode_keys(self, key: torch.Tensor, start: int, ctx: StepContext, rows: torch.Tensor | None = None,
@@ -610,13 +608,10 @@ class ShardLayer(CacheLayer):
             for kind, tensors in block.parts().items():
                 out[f"middle_{kind}"] += held_bytes(tensors)
         out["stream"] = held_bytes(self.stream.tensors())
-        # the fast kernel's per-block slot plans (integers, built on first decode step)
-        plans = [getattr(block, "_slot_plan", None) for block in self.middle]
-        out["middle_slot_plans"] = sum(plan.nbytes() for plan in plans if plan is not None)
-        # the GPU path's per-block device plans and kept rows (built on first use there), when held
-        derived = [getattr(block, name, None) for block in self.middle for name in ("_device_plan", "_rows")]
-        out["middle_device_plans"] = sum(x.nbytes() if hasattr(x, "nbytes") and callable(x.nbytes)
-                                         else x.numel() * x.element_size() for x in derived if x is not None)
+        # what the decode paths derive per block (built on first use): the fast kernel's slot plans
+        # (integers), the GPU path's kept rows, bit layout and kernel inputs
+        out["middle_slot_plans"] = sum(block.derived.slot_plan_nbytes() for block in self.middle)
+        out["middle_device_plans"] = sum(block.derived.device_nbytes() for block in self.middle)
         return out
 
     def nbytes(self) -> int:

@@ -4,6 +4,7 @@ codes) and `TurboSegment` (the TurboQuant decode stream)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -13,8 +14,23 @@ from kvshrink.codecs.pca import PCACode
 from kvshrink.methods.shard.salient import SalientTokens
 
 
-# What the decode kernels keep on a block, derived from its fields (not saved, rebuilt on first use).
-_DERIVED = ("_slot_plan", "_device_plan", "_rows", "_table_bound")
+@dataclass
+class BlockDerived:
+    """What the decode paths derive from a block's fields and keep on it: each part built on first use,
+    never saved (a copied or loaded block starts with an empty one), counted in the layer's `breakdown`."""
+
+    slot_plan: Any = None     # `codecs.table_decoder.SlotPlan`: the fused CPU kernel's run layout
+    table_bound: float | None = None  # the reference decoder's table bound (a float of the codes alone)
+    rows: torch.Tensor | None = None  # `MiddleBlock.rows` on the block's device (found with a sync, once)
+    gpu: Any = None           # `kernels.shard_code_attention.BlockInputs` (the GPU path's kernel inputs)
+
+    def slot_plan_nbytes(self) -> int:
+        return 0 if self.slot_plan is None else self.slot_plan.nbytes()
+
+    def device_nbytes(self) -> int:
+        """Bytes of the GPU path's parts (the kept rows and the kernels' inputs)."""
+        rows = 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
+        return rows + (0 if self.gpu is None else self.gpu.nbytes())
 
 
 @dataclass
@@ -50,10 +66,16 @@ class MiddleBlock:
             return torch.arange(self.start, self.start + self.n, device=device)
         return rows.to(device) + self.start
 
+    @property
+    def derived(self) -> BlockDerived:
+        """The decode paths' derived state (see `BlockDerived`), made empty on first access."""
+        state = self.__dict__.get("_derived")
+        if state is None:
+            state = self.__dict__["_derived"] = BlockDerived()
+        return state
+
     def __getstate__(self) -> dict:
-        # the fast kernels' plans and the kept rows are derived (numpy arrays, device tensors): rebuilt on
-        # first use
-        return {k: v for k, v in self.__dict__.items() if k not in _DERIVED}
+        return {k: v for k, v in self.__dict__.items() if k != "_derived"}
 
     def parts(self) -> dict[str, list[torch.Tensor]]:
         k = {kind: [t for code in self.keys for t in code.parts()[kind]] for kind in ("codes", "scales", "bases")}
@@ -86,6 +108,21 @@ class TurboSegment:
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.keys is None else self.keys.tensors() + self.values.tensors()
+
+
+def stack_scopes(codes: list[PCACode]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes ``[B, S, n, bytes]`` and int8 bases ``[S, D, r_max]`` of a block's PCA scopes as one
+    tensor each (what the GPU kernel reads); each scope's own ``codes`` and ``basis_q`` become views of
+    them (narrower rows and lower ranks zero-padded), so the block holds those bytes once, not twice."""
+    if len(codes) == 1:
+        return codes[0].codes.unsqueeze(-3), codes[0].basis_q.unsqueeze(0)
+    stacked = stacked_codes(codes)
+    rank = max(code.rank for code in codes)
+    bases = torch.stack([torch.nn.functional.pad(code.basis_q, (0, rank - code.rank)) for code in codes])
+    for s, code in enumerate(codes):
+        code.codes = stacked[..., s, :, :code.codes.shape[-1]]
+        code.basis_q = bases[s, :, :code.rank]
+    return stacked, bases
 
 
 def stacked_codes(codes: list[PCACode]) -> torch.Tensor:
