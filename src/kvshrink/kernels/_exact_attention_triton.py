@@ -151,3 +151,31 @@ def _combine_splits_kernel(
     lse_all = tl.where(seen, m_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     tl.store(O + b * stride_ob + h * stride_oh + t * stride_om + d * stride_od, out.to(O.dtype.element_ty), mask=d_ok)
     tl.store(L + b * stride_lb + h * stride_lh + t * stride_lm, lse_all)
+
+
+@triton.jit
+def _merge_partials_kernel(OUTS, LSES, O, L, rows, head_dim, NUM: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """``NUM`` partials over disjoint token sets (``OUTS``: a tuple of ``[rows, d]`` float32, ``LSES`` of
+    ``[rows]``) merged into the softmax over their union, as ``cache.attention.merge_partials`` does:
+    the log-sum-exp of the lses (maximum first), then the outputs weighted by ``exp(lse_i - lse)``."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_ok = r < rows
+    ok = r_ok[:, None] & (d < head_dim)[None, :]
+    top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for i in tl.static_range(NUM):
+        top = tl.maximum(top, tl.load(LSES[i] + r, mask=r_ok, other=float("-inf")))
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.full((BLOCK_R,), 0.0, tl.float32)
+    for i in tl.static_range(NUM):
+        total += tl.exp(tl.load(LSES[i] + r, mask=r_ok, other=float("-inf")) - shift)
+    seen = total > 0.0
+    lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    base = tl.where(seen, lse, 0.0)   # a row no part saw: every weight 0
+    acc = tl.full((BLOCK_R, BLOCK_D), 0.0, tl.float32)
+    for i in tl.static_range(NUM):
+        w = tl.exp(tl.load(LSES[i] + r, mask=r_ok, other=float("-inf")) - base)
+        acc += tl.load(OUTS[i] + r[:, None] * head_dim + d[None, :], mask=ok, other=0.0) * w[:, None]
+    tl.store(O + r[:, None] * head_dim + d[None, :], acc, mask=ok)
+    tl.store(L + r, lse, mask=r_ok)

@@ -29,7 +29,10 @@ import torch
 from kvshrink.kernels import counting
 from kvshrink.kernels.backend import interpreting, triton
 
-__all__ = ["exact_attention"]
+__all__ = ["exact_attention", "merge_attention"]
+
+# Partials merged by one launch (a kernel is compiled per count; more are merged in rounds).
+_MERGE_MOST = 8
 
 _BLOCK_N = 64
 
@@ -37,9 +40,10 @@ _BLOCK_N = 64
 @functools.lru_cache(maxsize=None)
 def _kernel():
     triton()  # imports Triton (in its interpreter without a GPU) or raises ImportError naming the extra
-    from kvshrink.kernels._exact_attention_triton import _combine_splits_kernel, _exact_attention_kernel
+    from kvshrink.kernels._exact_attention_triton import (_combine_splits_kernel, _exact_attention_kernel,
+                                                          _merge_partials_kernel)
 
-    return _exact_attention_kernel, _combine_splits_kernel
+    return _exact_attention_kernel, _combine_splits_kernel, _merge_partials_kernel
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -135,3 +139,22 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             BLOCK_S=max(2, 1 << (splits - 1).bit_length()), BLOCK_D=block_d,
         )
     return final, final_lse
+
+
+def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H_q, q, d], lse [B, H_q, q])`` float32: partials over disjoint token sets (``outs`` and
+    ``lses`` of those shapes) merged into the softmax over their union in one launch (up to
+    ``_MERGE_MOST`` partials), the GPU-path twin of ``kvshrink.cache.attention.merge_partials``."""
+    while len(outs) > _MERGE_MOST:   # rare (many middle blocks): merge the first ones into one partial
+        first = merge_attention(outs[:_MERGE_MOST], lses[:_MERGE_MOST])
+        outs, lses = [first[0], *outs[_MERGE_MOST:]], [first[1], *lses[_MERGE_MOST:]]
+    shape, d = outs[0].shape, outs[0].shape[-1]
+    rows = outs[0].numel() // max(1, d)
+    out = torch.empty(shape, device=outs[0].device, dtype=torch.float32)
+    lse = torch.empty(shape[:-1], device=outs[0].device, dtype=torch.float32)
+    block_r = 16
+    with counting.kernel_launch("merge_partials"):
+        _kernel()[2][(max(1, -(-rows // block_r)),)](
+            tuple(o.float().contiguous() for o in outs), tuple(x.float().contiguous() for x in lses), out, lse,
+            rows, d, NUM=len(outs), BLOCK_R=block_r, BLOCK_D=max(16, 1 << (d - 1).bit_length()))
+    return out, lse
