@@ -224,6 +224,47 @@ KERNEL_CASES = [dict(key_bits=2.0), dict(key_bits=5.0, pca_group=3, salient=0.05
                 dict(key_bits=3.0, pca_scope="layer", v_group=2, v_codebook=32, shape=dict(q_heads=8, kv_heads=2))]
 
 
+@pytest.mark.parametrize("dim,bits", [(64, 2), (64, 3), (48, 4), (128, 8)])
+def test_stream_encode_kernel_equals_turbo_encode(dim, bits):
+    """`turbo_encode_into` writes `TurboQuantizer.encode`'s codes and norms, bit for bit, into tokens
+    ``at ..`` of a buffer, reading keys and values where they lie (a strided slot of a ring buffer)."""
+    from kvshrink.codecs.lloyd_max import TurboQuantizer
+
+    turbo = TurboQuantizer(dim, bits, seed=1)
+    ring = torch.randn(2, 2, 3, 9, dim, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    x = ring[:, :, :, 5:7]                                   # two tokens of the ring, not contiguous
+    want = turbo.encode(x.float())
+    codes = torch.zeros(2, 2, 3, 10, want.codes.shape[-1], dtype=torch.uint8)
+    norm = torch.zeros(2, 2, 3, 10, dtype=torch.float16)
+    with force_gpu_path():
+        sca.turbo_encode_into(turbo, x, codes, norm, 3)
+    assert torch.equal(codes[..., 3:5, :], want.codes) and torch.equal(norm[..., 3:5], want.norm)
+    assert not codes[..., :3, :].any() and not codes[..., 5:, :].any()
+
+
+def test_the_stream_buffer_grows_and_compacts():
+    """The GPU path's stream is a buffer written in place: past its capacity it grows (the codes held
+    copied once), its free slots are counted as held bytes, and a concatenation makes it compact again."""
+    from kvshrink.codecs.lloyd_max import TurboQuantizer
+    from kvshrink.cache.store import held_bytes
+    from kvshrink.methods.shard import segments
+
+    turbo = TurboQuantizer(16, 4, seed=1)
+    x = torch.randn(2, 1, 2, 70, 16, generator=torch.Generator().manual_seed(4))
+    stream = segments.TurboSegment()
+    with force_gpu_path():
+        for t in range(x.shape[3]):
+            buffer = stream.room(1, (1, 2), 8, x.device)
+            sca.turbo_encode_into(turbo, x[:, :, :, t:t + 1], buffer.codes, buffer.norm, stream.n)
+            stream.filled(100 + t, 1)
+    want = turbo.encode(x)
+    assert stream.n == 70 and stream.runs[-1] == (169, 1) and stream.buffer.codes.shape[-2] == 1 + 64 + 64 + 1
+    assert torch.equal(stream.keys.codes, want.codes[0]) and torch.equal(stream.values.norm, want.norm[1])
+    assert held_bytes(stream.tensors()) == stream.buffer.nbytes()
+    stream.append(*(turbo.encode(x[i, :, :, :1]) for i in (0, 1)), 170, 1)
+    assert stream.buffer is None and stream.keys.codes.is_contiguous() and stream.n == 71
+
+
 @pytest.mark.parametrize("opts", KERNEL_CASES, ids=["2bit", "6bit-runs-held", "layer-scope-5bit-values"])
 def test_kernel_equals_torch_oracle_and_numba(opts):
     args = kernel_inputs(**opts)
@@ -420,6 +461,7 @@ def test_a_decode_step_on_the_gpu_path_reads_nothing_back(monkeypatch):
 # ---- compiled for a GPU (no GPU needed) --------------------------------------------------------------------
 
 _COMPILE = r"""
+import math
 import os
 os.environ["TRITON_INTERPRET"] = "0"          # compile, not interpret (no GPU here: ahead of time)
 from triton.backends.compiler import GPUTarget
@@ -445,7 +487,7 @@ for bits, groups in ((8, 1), (5, 8)):
                                                        GROUPS=groups, BLOCK_N=t.n, BLOCK_R=t.r)), target=target)
     assert "cubin" in k.asm, list(k.asm)
 common = dict(codes_ptr="*u8", norm_ptr="*fp16", centroids_ptr="*fp32", signs_ptr="*u8", qjl_norm_ptr="*fp16",
-              qjl_scale="fp32", n="i32", n_bytes="i32", sign_bytes="i32", rows="i32", dim="i32", BITS="constexpr",
+              qjl_scale="fp32", n="i32", capacity="i32", n_bytes="i32", sign_bytes="i32", rows="i32", dim="i32", BITS="constexpr",
               QJL="constexpr", DP="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr")
 consts = dict(BITS=3, QJL=True, DP=128, BLOCK_N=t.n, BLOCK_R=t.r)
 sig = dict(common, q_ptr="*fp32", qs_ptr="*fp32", out_ptr="*fp32", scaling="fp32")
@@ -456,6 +498,13 @@ sig = dict(common, scores_ptr="*fp32", lse_ptr="*fp32", out_ptr="*fp32", out_z_p
 sig = {name: sig[name] for name in sca._stream_values_kernel.arg_names}
 k = compile(ASTSource(sca._stream_values_kernel, sig, consts), target=target)
 assert "cubin" in k.asm, list(k.asm)
+sig = {name: "constexpr" if name.isupper() else "i32" for name in sca._turbo_encode_kernel.arg_names}
+sig.update(x_ptr="*bf16", rotation_ptr="*fp32", bounds_ptr="*fp32", codes_ptr="*u8", norm_ptr="*fp16")
+for bits in (3, 4):
+    group = 8 // math.gcd(8, bits)
+    consts = dict(BITS=bits, N_BOUNDS=(1 << bits) - 1, GROUP=group, GROUP_BYTES=group * bits // 8, DP=128, BLOCK_M=16)
+    k = compile(ASTSource(sca._turbo_encode_kernel, sig, consts), target=target)
+    assert "cubin" in k.asm, list(k.asm)
 print("compiled")
 """
 

@@ -37,7 +37,13 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     (the next prefill, every ``DEFERRED_CHECK_EVERY`` decode steps, ``cache.nbytes()``)."""
     if dtype is None or x.dtype == dtype:
         return x
-    if dtype == torch.float16 and x.numel():
+    check_storage(x, dtype)
+    return x.to(dtype)
+
+
+def check_storage(x: torch.Tensor, dtype: torch.dtype) -> None:
+    """`to_storage`'s overflow check alone, for a caller that converts while copying into its buffer."""
+    if dtype == torch.float16 and x.dtype != dtype and x.numel():
         if gpu_path(x):
             defer_peak(_peak(x), _FP16_MAX, _OVERFLOW)
         else:
@@ -45,7 +51,6 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
             if peak > _FP16_MAX:
                 raise ValueError(f"kvshrink: a key or value of {peak:.4g} is beyond float16's range (+-65504); "
                                  + _OVERFLOW)
-    return x.to(dtype)
 
 
 _OVERFLOW = ("stored as float16 it would become inf. Store exact tokens in the model's dtype (the method's "

@@ -33,6 +33,7 @@ called from an interpreted kernel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,8 @@ triton = _load_triton()     # the backend chose interpreter or GPU before (or de
 tl = triton.language
 
 __all__ = ["ComponentPlan", "component_plan", "KeyBasis", "paired_basis", "stored_basis", "BlockInputs", "held_bits",
-           "block_attention", "code_attention", "code_scores", "code_bins", "Tiles", "GPU_TILES"]
+           "block_attention", "code_attention", "code_scores", "code_bins", "turbo_encode_into", "Tiles",
+           "GPU_TILES"]
 
 
 @dataclass(frozen=True)
@@ -459,7 +461,7 @@ def _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes):
 
 @triton.jit
 def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, qjl_norm_ptr, qs_ptr, out_ptr,
-                          scaling, qjl_scale, n, n_bytes, sign_bytes, rows, dim,
+                          scaling, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
                           BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_R: tl.constexpr):
     pid_bh = tl.program_id(0)
@@ -467,7 +469,7 @@ def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, 
     t_ok = offs_t < n
     offs_i = tl.arange(0, DP)
     i_ok = offs_i < dim
-    row0 = pid_bh * n
+    row0 = pid_bh * capacity    # the codes' rows are `capacity` tokens apart (the stream's buffer)
     y = _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
     norm = tl.load(norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
     if QJL:
@@ -489,7 +491,7 @@ def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, 
 
 @triton.jit
 def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_ptr, signs_ptr, qjl_norm_ptr,
-                          out_ptr, out_z_ptr, qjl_scale, n, n_bytes, sign_bytes, rows, dim,
+                          out_ptr, out_z_ptr, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
                           BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_R: tl.constexpr):
     pid_bh = tl.program_id(0)
@@ -497,7 +499,7 @@ def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_pt
     r_ok = offs_r < rows
     offs_i = tl.arange(0, DP)
     i_ok = offs_i < dim
-    row0 = pid_bh * n
+    row0 = pid_bh * capacity    # the codes' rows are `capacity` tokens apart (the stream's buffer)
     lse = _rows_lse(scores_ptr, pid_bh * rows, offs_r, r_ok, n, BLOCK_N, BLOCK_R)    # no torch op between
     tl.store(lse_ptr + pid_bh * rows + offs_r, lse, mask=r_ok)
     acc = tl.full((BLOCK_R, DP), 0.0, tl.float32)
@@ -521,6 +523,22 @@ def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_pt
         tl.store(out_z_ptr + at, acc_z, mask=r_ok[:, None] & i_ok[None, :])
 
 
+def _token_rows(code, capacity: int | None = None):
+    """``(code, capacity)``: ``code`` (``[B, H, n, ...]``) laid out as the stream kernels read it, row
+    ``b * H + h`` starting ``capacity`` tokens after the previous one, every field alike: the stream
+    buffer's views as they are (no copy per step), anything else made contiguous (capacity ``n``)."""
+    from kvshrink.codecs.lloyd_max import TurboCode
+
+    b, h, n, n_bytes = code.codes.shape
+    cap = capacity or (code.codes.stride(1) // max(1, n_bytes))
+    strided = (code.qjl_signs is None and code.codes.stride() == (h * cap * n_bytes, cap * n_bytes, n_bytes, 1)
+               and code.norm.stride() == (h * cap, cap, 1))
+    if strided:
+        return code, cap
+    fields = [None if x is None else x.contiguous() for x in (code.norm, code.codes, code.qjl_signs, code.qjl_norm)]
+    return TurboCode(*fields), n
+
+
 def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
                     tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped ``query [B, H_kv, R, d]`` over TurboQuant-coded ``keys`` and ``values``
@@ -530,7 +548,6 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     rotated queries, QJL sketch term included; probabilities times norms summed against the codes' centroids).
     """
     tiles = tiles or default_tiles()
-    import math
 
     batch, heads, rows, dim = query.shape
     n = keys.codes.shape[2]
@@ -542,18 +559,23 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     dp = _pow2(dim)
     dummy = keys.norm   # stands for the QJL tensors when there are none (never read): no allocation
 
+    keys, capacity = _token_rows(keys)
+    values, values_capacity = _token_rows(values, capacity)
+    if values_capacity != capacity:   # values made contiguous: the keys too (one capacity for both)
+        keys, capacity = _token_rows(keys, values_capacity)
+
     def qjl_args(code):
         if not qjl:
             return dummy, dummy, 1
-        return code.qjl_signs.contiguous(), code.qjl_norm.contiguous(), code.qjl_signs.shape[-1]
+        return code.qjl_signs, code.qjl_norm, code.qjl_signs.shape[-1]
 
     scores = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=device)
     signs, qjl_norm, sign_bytes = qjl_args(keys)
     qs = (qrot @ sketch.T).contiguous() if qjl else dummy
     with counting.kernel_launch("shard_stream_scores"):
         _stream_scores_kernel[(batch * heads, triton.cdiv(n, tiles.n))](
-            keys.codes.contiguous(), keys.norm.contiguous(), centroids, qrot, signs, qjl_norm, qs, scores,
-            float(scaling), qjl_scale, n, keys.codes.shape[-1], sign_bytes, rows, dim,
+            keys.codes, keys.norm, centroids, qrot, signs, qjl_norm, qs, scores,
+            float(scaling), qjl_scale, n, capacity, keys.codes.shape[-1], sign_bytes, rows, dim,
             BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=device)
     out = torch.empty(batch, heads, rows, dim, dtype=torch.float32, device=device)
@@ -561,9 +583,68 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     signs, qjl_norm, sign_bytes = qjl_args(values)
     with counting.kernel_launch("shard_stream_values"):
         _stream_values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
-            scores, lse, values.codes.contiguous(), values.norm.contiguous(), centroids, signs, qjl_norm, out, out_z,
-            qjl_scale, n, values.codes.shape[-1], sign_bytes, rows, dim,
+            scores, lse, values.codes, values.norm, centroids, signs, qjl_norm, out, out_z,
+            qjl_scale, n, capacity, values.codes.shape[-1], sign_bytes, rows, dim,
             BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     if qjl:
         out = out + out_z @ sketch
     return turbo.rotation.unrotate(out), lse
+
+
+@triton.jit
+def _turbo_encode_kernel(x_ptr, rotation_ptr, bounds_ptr, codes_ptr, norm_ptr, n_rows, n, x_row_stride,
+                         x_token_stride, rot_row_stride, rot_col_stride, out_row_stride, at, dim, n_bytes, BITS: tl.constexpr,
+                         N_BOUNDS: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
+                         DP: tl.constexpr, BLOCK_M: tl.constexpr):
+    # rows m = row * n + token of x; each: norm, unit vector rotated, the index of its interval among the
+    # boundaries (torch.bucketize), packed little-endian (GROUP codes fill GROUP_BYTES bytes exactly)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n_rows * n
+    row = offs_m // n
+    token = offs_m % n
+    offs_i = tl.arange(0, DP)
+    i_ok = offs_i < dim
+    ok = m_ok[:, None] & i_ok[None, :]
+    x = tl.load(x_ptr + (row * x_row_stride + token * x_token_stride)[:, None] + offs_i[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, 1))
+    unit = x / tl.maximum(norm, 1e-12)[:, None]
+    rot = tl.load(rotation_ptr + offs_i[:, None] * rot_row_stride + offs_i[None, :] * rot_col_stride, mask=i_ok[:, None] & i_ok[None, :],
+                  other=0.0)
+    y = tl.dot(unit, rot, input_precision="ieee")                                          # [BLOCK_M, DP]
+    code = tl.full((BLOCK_M, DP), 0, tl.int32)
+    for j in tl.static_range(N_BOUNDS):
+        code += (y > tl.load(bounds_ptr + j)).to(tl.int32)
+    code = tl.where(ok, code, 0)
+    shifts = tl.arange(0, GROUP) * BITS
+    words = tl.sum(tl.reshape(code, (BLOCK_M, DP // GROUP, GROUP)) << shifts[None, None, :], 2)
+    group = tl.arange(0, DP // GROUP)
+    out_row = codes_ptr + (row * out_row_stride + at + token) * n_bytes
+    for w in tl.static_range(GROUP_BYTES):
+        byte = group * GROUP_BYTES + w
+        tl.store(out_row[:, None] + byte[None, :], ((words >> (8 * w)) & 255).to(tl.uint8),
+                 mask=m_ok[:, None] & (byte < n_bytes)[None, :])
+    tl.store(norm_ptr + row * out_row_stride + at + token, norm.to(tl.float16), mask=m_ok)
+
+
+def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, at: int) -> None:
+    """`TurboQuantizer.encode` (no QJL) of ``x [..., n, d]`` in one launch, written into tokens
+    ``at .. at+n-1`` of ``codes [..., capacity, bytes]`` and ``norm [..., capacity]`` (same leading dims,
+    contiguous): the stream's buffer, nothing allocated. ``x`` may be strided (rows of a ring buffer) as
+    long as its leading dims collapse to one row stride."""
+    if turbo.qjl:
+        raise ValueError("turbo_encode_into: QJL residuals are encoded by TurboQuantizer.encode")
+    *lead, n, dim = x.shape
+    rows = x.numel() // max(1, n * dim)
+    flat = x.reshape(rows, n, dim) if x.stride(-1) == 1 else x.contiguous().reshape(rows, n, dim)
+    _, bounds, _, _ = turbo._tables(x.device)
+    rotation = turbo.rotation.matrix(x.device, torch.float32)
+    group = 8 // math.gcd(8, turbo.bits)            # codes per whole number of bytes
+    dp = max(_pow2(dim), group)
+    block_m = 16
+    with counting.kernel_launch("shard_stream_encode"):
+        _turbo_encode_kernel[(triton.cdiv(rows * n, block_m),)](
+            flat, rotation, bounds, codes, norm, rows, n, flat.stride(0), flat.stride(1), *rotation.stride(),
+            codes.shape[-2], at, dim,
+            codes.shape[-1], BITS=turbo.bits, N_BOUNDS=bounds.numel(), GROUP=group,
+            GROUP_BYTES=group * turbo.bits // 8, DP=dp, BLOCK_M=block_m)

@@ -12,7 +12,7 @@ from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import fused
 from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
-from kvshrink.codecs.bitpack import pack_bits, unpack_bits
+from kvshrink.codecs.bitpack import pack_bits, packed_size, unpack_bits
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
 from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, scaled_bases, slot_plan
@@ -179,21 +179,29 @@ class ShardLayer(CacheLayer):
         """Tokens beyond the window leave the ring for the stream (the oldest first); ``new`` (the step's
         key and value when not already in the ring) is stored after them."""
         while ring.count + (new is not None) > self.cfg.window and ring.count:
-            k, v, index = ring.pop_oldest()
-            self.stream_append(k, v, index)
+            self.stream_append(*ring.pop_oldest())
         if new is None:
             return
         if ring.slots:
             ring.put(*new)
         else:  # no window at all: the token goes straight to the stream, rounded as a stored one
-            self.stream_append(*(to_storage(x, ring.dtype) for x in new), ring.start)
+            self.stream_append(torch.stack([to_storage(x, ring.dtype) for x in new]), ring.start)
             ring.start += 1
 
-    def stream_append(self, key: torch.Tensor, value: torch.Tensor, index: int) -> None:
-        """TurboQuant codes of tokens ``index ..`` (``[B, H_kv, n, d]``) added to the stream."""
-        # keys and values in one encode: half the small ops of a decode step's commit
-        both = self.shared.turbo.encode(torch.stack([key, value]).float())
-        self.stream.append(both.select(0), both.select(1), index, key.shape[2])
+    def stream_append(self, both: torch.Tensor, index: int) -> None:
+        """TurboQuant codes of tokens ``index ..`` (keys and values ``[2, B, H_kv, n, d]``, encoded together:
+        half the small ops of a decode step's commit) added to the stream; on the GPU path by one kernel
+        writing into the stream's buffer."""
+        turbo, n = self.shared.turbo, both.shape[-2]
+        if not turbo.qjl and self.use_triton_kernel(both):
+            from kvshrink.kernels.shard_code_attention import turbo_encode_into
+
+            buffer = self.stream.room(n, tuple(both.shape[1:-2]), packed_size(self.d, turbo.bits), both.device)
+            turbo_encode_into(turbo, both, buffer.codes, buffer.norm, self.stream.n)
+            self.stream.filled(index, n)
+            return
+        code = turbo.encode(both.float())
+        self.stream.append(code.select(0), code.select(1), index, n)
 
     def exact_partial(self, query: torch.Tensor, ctx: StepContext) -> Partial | None:
         """One exact attention over the sinks, the salient middle tokens and the window together (they

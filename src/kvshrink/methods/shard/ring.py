@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
-from kvshrink.cache.store import ExactStore, to_storage
+from kvshrink.cache.store import ExactStore, check_storage
 
 
 class ExactRing:
-    """Keys and values ``[B, H_kv, sinks + slots, d]``: the sinks in the first rows (fixed), then a ring of
+    """Keys and values ``[B, H_kv, sinks + slots, d]`` (one buffer ``kv [2, ...]``: a token's key and value
+    are written, and leave for the stream, in one op): the sinks in the first rows (fixed), then a ring of
     ``slots`` rows holding the window, oldest at ring position ``head``.
 
     Attention is a sum over a set of tokens, so the ring's order does not matter to it; only the stores
@@ -24,9 +25,8 @@ class ExactRing:
         self.dtype = window.dtype
         self.n_sinks, self.slots = len(sinks), slots
         b, h, _, d = like.shape
-        shape = (b, h, self.n_sinks + slots, d)
-        self.keys = torch.empty(shape, dtype=self.dtype, device=like.device)
-        self.values = torch.empty(shape, dtype=self.dtype, device=like.device)
+        self.kv = torch.empty((2, b, h, self.n_sinks + slots, d), dtype=self.dtype, device=like.device)
+        self.keys, self.values = self.kv[0], self.kv[1]
         if self.n_sinks:
             self.keys[:, :, :self.n_sinks] = sinks.keys
             self.values[:, :, :self.n_sinks] = sinks.values
@@ -43,19 +43,20 @@ class ExactRing:
     def put(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store one token ``[B, H_kv, 1, d]`` (the ring must have a free slot)."""
         at = self.n_sinks + (self.head + self.count) % self.slots
-        self.keys[:, :, at:at + 1] = to_storage(key, self.dtype)
-        self.values[:, :, at:at + 1] = to_storage(value, self.dtype)
+        both = torch.stack([key, value])
+        check_storage(both, self.dtype)
+        self.kv[:, :, :, at:at + 1] = both     # converted to the ring's dtype by the copy
         self.count += 1
 
-    def pop_oldest(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The oldest window token's key and value ``[B, H_kv, 1, d]`` (views, valid until the next `put`)
-        and its token index; its slot becomes free."""
+    def pop_oldest(self) -> tuple[torch.Tensor, int]:
+        """The oldest window token's key and value ``[2, B, H_kv, 1, d]`` (a view, valid until the next
+        `put`) and its token index; its slot becomes free."""
         at = self.n_sinks + self.head
         index = self.start
         self.head = (self.head + 1) % self.slots
         self.count -= 1
         self.start += 1
-        return self.keys[:, :, at:at + 1], self.values[:, :, at:at + 1], index
+        return self.kv[:, :, :, at:at + 1], index
 
     def partial(self, query: torch.Tensor, scaling: float) -> Partial | None:
         """Exact attention of ``query`` over every token held (None when empty)."""
@@ -97,4 +98,4 @@ class ExactRing:
         return 2 * self.keys[:, :, :self.n_sinks].numel() * self.keys.element_size()
 
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return self.kv.numel() * self.kv.element_size()

@@ -85,23 +85,54 @@ class MiddleBlock:
                 "kept": [] if self.kept is None else [self.kept]}
 
 
+# Tokens the GPU path's stream buffer grows by at once (its free slots are held, and counted, bytes).
+_STREAM_GROW = 64
+
+
 @dataclass
 class TurboSegment:
-    """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt)."""
+    """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt).
+
+    On the GPU path they are views of one ``buffer`` (``[2, B, H_kv, capacity, ...]``, keys then values)
+    that the encode kernel writes in place, so a decode step appends without a concatenation."""
 
     keys: TurboCode | None = None
     values: TurboCode | None = None
     n: int = 0
     runs: list = None  # (first index, count) of each appended run; python ints, for `dequantized`
+    buffer: TurboCode | None = None
 
     def append(self, k: TurboCode, v: TurboCode, start: int, n: int) -> None:
         self.runs = (self.runs or []) + [(start, n)]
+        self.buffer = None  # the codes are concatenated: compact again
         if self.keys is None:
             self.keys, self.values, self.n = k, v, n
             return
         self.keys = TurboCode.cat(self.keys, k)
         self.values = TurboCode.cat(self.values, v)
         self.n += n
+
+    def room(self, count: int, rows: tuple[int, ...], n_bytes: int, device) -> TurboCode:
+        """The buffer (codes ``[2, *rows, capacity, n_bytes]``, norms ``[2, *rows, capacity]``) with room for
+        ``count`` more tokens after the ``n`` held: made or grown by `_STREAM_GROW` tokens when full (the
+        tokens held copied in once). Write them there, then call `filled`."""
+        if self.buffer is not None and self.n + count <= self.buffer.codes.shape[-2]:
+            return self.buffer
+        capacity = self.n + count + _STREAM_GROW
+        buffer = TurboCode(norm=torch.empty(2, *rows, capacity, dtype=torch.float16, device=device),
+                           codes=torch.empty(2, *rows, capacity, n_bytes, dtype=torch.uint8, device=device))
+        for i, held in enumerate((self.keys, self.values)):
+            if self.n:
+                buffer.norm[i, ..., :self.n] = held.norm
+                buffer.codes[i, ..., :self.n, :] = held.codes
+        self.buffer = buffer
+        return buffer
+
+    def filled(self, start: int, count: int) -> None:
+        """``count`` tokens from index ``start`` were written into the buffer after the ``n`` held."""
+        self.runs = (self.runs or []) + [(start, count)]
+        self.n += count
+        self.keys, self.values = (self.buffer.select(i).tokens(0, self.n) for i in (0, 1))
 
     def index(self, device) -> torch.Tensor:
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.runs])
