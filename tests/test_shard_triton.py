@@ -332,10 +332,15 @@ def test_a_row_whose_tokens_are_all_held_contributes_nothing():
 
 @pytest.mark.parametrize("dim,bits,qjl,rows", [(64, 4, False, 3), (64, 3, True, 20), (24, 2, False, 4),
                                                (128, 8, True, 8), (128, 4, False, 32)])
-def test_stream_kernels_equal_the_torch_stream(dim, bits, qjl, rows):
+@pytest.mark.parametrize("rotate_in_kernel", [True, False], ids=["decode-rows", "many-rows"])
+def test_stream_kernels_equal_the_torch_stream(dim, bits, qjl, rows, rotate_in_kernel, monkeypatch):
     """`turbo_attention` == `TurboQuantizer.inner_products` / softmax / `weighted_sum` (the CPU path's
-    stream partial): straddling 3-bit codes, the QJL sketch, a non-Hadamard rotation (24), row tiles."""
+    stream partial): straddling 3-bit codes, the QJL sketch, a non-Hadamard rotation (24), row tiles,
+    queries rotated in the kernel (decode) or before it (many rows)."""
     from kvshrink.codecs.lloyd_max import TurboQuantizer
+
+    if not rotate_in_kernel:
+        monkeypatch.setattr(sca, "_ROTATE_IN_KERNEL_ROWS", 0)
 
     g = torch.Generator().manual_seed(dim + bits)
     turbo = TurboQuantizer(dim, bits, qjl=qjl, seed=1)
@@ -488,13 +493,15 @@ for bits, groups in ((8, 1), (5, 8)):
     assert "cubin" in k.asm, list(k.asm)
 common = dict(codes_ptr="*u8", norm_ptr="*fp16", centroids_ptr="*fp32", signs_ptr="*u8", qjl_norm_ptr="*fp16",
               qjl_scale="fp32", n="i32", capacity="i32", n_bytes="i32", sign_bytes="i32", rows="i32", dim="i32", BITS="constexpr",
-              QJL="constexpr", DP="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr")
+              QJL="constexpr", DP="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr", rot_ptr="*fp32",
+              sketch_ptr="*fp32", rot_row_stride="i32", rot_col_stride="i32")
 consts = dict(BITS=3, QJL=True, DP=128, BLOCK_N=t.n, BLOCK_R=t.r)
-sig = dict(common, q_ptr="*fp32", qs_ptr="*fp32", out_ptr="*fp32", scaling="fp32")
+sig = dict(common, q_ptr="*bf16", qs_ptr="*fp32", out_ptr="*fp32", scaling="fp32", ROTATE="constexpr")
 sig = {name: sig[name] for name in sca._stream_scores_kernel.arg_names}
-k = compile(ASTSource(sca._stream_scores_kernel, sig, consts), target=target)
-assert "cubin" in k.asm, list(k.asm)
-sig = dict(common, scores_ptr="*fp32", lse_ptr="*fp32", out_ptr="*fp32", out_z_ptr="*fp32")
+for rotate in (True, False):
+    k = compile(ASTSource(sca._stream_scores_kernel, sig, dict(consts, ROTATE=rotate)), target=target)
+    assert "cubin" in k.asm, list(k.asm)
+sig = dict(common, scores_ptr="*fp32", lse_ptr="*fp32", out_ptr="*fp32")
 sig = {name: sig[name] for name in sca._stream_values_kernel.arg_names}
 k = compile(ASTSource(sca._stream_values_kernel, sig, consts), target=target)
 assert "cubin" in k.asm, list(k.asm)

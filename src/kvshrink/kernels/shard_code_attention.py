@@ -20,8 +20,10 @@ One block of coded tokens is answered in two kernels, without materialising the 
 
 The decode stream (tokens that left the window while decoding, TurboQuant codes) has its own two kernels,
 `turbo_attention`: scores straight from the codes against the rotated queries (QJL sketch term included),
-then the log-sum-exp and the probabilities times the norms summed against the codes' centroids; only
-the queries' rotation and the final unrotation are torch ops.
+then the log-sum-exp and the probabilities times the norms summed against the codes' centroids, the
+queries rotated in the first kernel (decode-sized rows; more rows are rotated once in torch) and the
+sums unrotated in the second; `turbo_encode_into` encodes the tokens leaving the window in one more
+kernel, into the stream's buffer.
 
 Everything accumulates in float32 (``tl.dot`` with ``input_precision="ieee"``, no TF32); codes, bases and
 queries may be float16/bfloat16/float32. Triton is imported through `kvshrink.kernels.backend.triton`
@@ -460,10 +462,12 @@ def _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes):
 
 
 @triton.jit
-def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, qjl_norm_ptr, qs_ptr, out_ptr,
-                          scaling, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
-                          BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_R: tl.constexpr):
+def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, qjl_norm_ptr, qs_ptr, rot_ptr,
+                          sketch_ptr, out_ptr, scaling, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
+                          rot_row_stride, rot_col_stride, BITS: tl.constexpr, QJL: tl.constexpr,
+                          ROTATE: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # ROTATE: the queries come as they are and are rotated here (decode: few rows, no torch op before);
+    # else rotated (and sketched) already
     pid_bh = tl.program_id(0)
     offs_t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_ok = offs_t < n
@@ -475,14 +479,23 @@ def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, 
     if QJL:
         z = _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
         resid = tl.load(qjl_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
+    if ROTATE:
+        rot = _square(rot_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride)
+        if QJL:
+            sketch = _square(sketch_ptr, offs_i, i_ok, dim, 1)
     for r0 in range(0, rows, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < rows
         q_at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
-        q = tl.load(q_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
+        q = tl.load(q_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+        if ROTATE:
+            q = tl.dot(q, rot, input_precision="ieee")
         sc = tl.dot(q, tl.trans(y), input_precision="ieee")
         if QJL:
-            qs = tl.load(qs_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
+            if ROTATE:
+                qs = tl.dot(q, tl.trans(sketch), input_precision="ieee")
+            else:
+                qs = tl.load(qs_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
             sc += tl.dot(qs, tl.trans(z), input_precision="ieee") * resid[None, :]
         sc = sc * norm[None, :] * scaling
         tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], sc,
@@ -491,8 +504,8 @@ def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, 
 
 @triton.jit
 def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_ptr, signs_ptr, qjl_norm_ptr,
-                          out_ptr, out_z_ptr, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
-                          BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          rot_ptr, sketch_ptr, out_ptr, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
+                          rot_row_stride, rot_col_stride, BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_R: tl.constexpr):
     pid_bh = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -517,10 +530,20 @@ def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_pt
             z = _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
             resid = tl.load(qjl_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
             acc_z = tl.dot(w * resid[None, :], z, acc_z, input_precision="ieee")
+    if QJL:   # the sketch term, back from the sketch's space
+        acc = tl.dot(acc_z, _square(sketch_ptr, offs_i, i_ok, dim, 1), acc, input_precision="ieee")
+    # unrotated here: out = acc @ rotation.T
+    out = tl.dot(acc, tl.trans(_square(rot_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride)),
+                 input_precision="ieee")
     at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
-    tl.store(out_ptr + at, acc, mask=r_ok[:, None] & i_ok[None, :])
-    if QJL:
-        tl.store(out_z_ptr + at, acc_z, mask=r_ok[:, None] & i_ok[None, :])
+    tl.store(out_ptr + at, out, mask=r_ok[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def _square(ptr, offs_i, i_ok, row_stride, col_stride):
+    """A ``[DP, DP]`` float32 tile of a ``dim x dim`` matrix (zeros past ``dim``)."""
+    return tl.load(ptr + offs_i[:, None] * row_stride + offs_i[None, :] * col_stride,
+                   mask=i_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
 
 
 def _token_rows(code, capacity: int | None = None):
@@ -539,13 +562,18 @@ def _token_rows(code, capacity: int | None = None):
     return TurboCode(*fields), n
 
 
+# Most query rows (batch x heads x grouped rows) the stream's scores kernel rotates itself, in each program.
+_ROTATE_IN_KERNEL_ROWS = 256
+
+
 def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
                     tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped ``query [B, H_kv, R, d]`` over TurboQuant-coded ``keys`` and ``values``
     (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors, quantizer ``turbo``), with no host
     synchronisation and nothing decoded to memory: ``(out [B, H_kv, R, d], lse [B, H_kv, R])`` float32,
     `TurboQuantizer.inner_products` / `weighted_sum` in two kernels (scores from the codes against the
-    rotated queries, QJL sketch term included; probabilities times norms summed against the codes' centroids).
+    rotated queries, QJL sketch term included; probabilities times norms summed against the codes'
+    centroids, then unrotated). ``keys`` and ``values`` may be views of the stream's buffer.
     """
     tiles = tiles or default_tiles()
 
@@ -553,11 +581,16 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     n = keys.codes.shape[2]
     device = query.device
     centroids, _, sketch, _ = turbo._tables(device)
-    qrot = turbo.rotation.rotate(query.float()).contiguous()
     qjl = turbo.qjl
     qjl_scale = math.sqrt(math.pi / 2) / dim
     dp = _pow2(dim)
+    rotation = turbo.rotation.matrix(device, torch.float32)
     dummy = keys.norm   # stands for the QJL tensors when there are none (never read): no allocation
+    # decode rotates its few query rows inside the kernel; many rows (prefill after decoding) once here
+    rotate = batch * heads * rows <= _ROTATE_IN_KERNEL_ROWS
+    q = query.contiguous() if rotate else turbo.rotation.rotate(query.float()).contiguous()
+    qs = dummy if rotate or not qjl else (q @ sketch.T).contiguous()
+    sketch_arg = sketch.contiguous() if qjl else dummy
 
     keys, capacity = _token_rows(keys)
     values, values_capacity = _token_rows(values, capacity)
@@ -571,24 +604,20 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
 
     scores = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=device)
     signs, qjl_norm, sign_bytes = qjl_args(keys)
-    qs = (qrot @ sketch.T).contiguous() if qjl else dummy
     with counting.kernel_launch("shard_stream_scores"):
         _stream_scores_kernel[(batch * heads, triton.cdiv(n, tiles.n))](
-            keys.codes, keys.norm, centroids, qrot, signs, qjl_norm, qs, scores,
-            float(scaling), qjl_scale, n, capacity, keys.codes.shape[-1], sign_bytes, rows, dim,
-            BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+            keys.codes, keys.norm, centroids, q, signs, qjl_norm, qs, rotation, sketch_arg, scores,
+            float(scaling), qjl_scale, n, capacity, keys.codes.shape[-1], sign_bytes, rows, dim, *rotation.stride(),
+            BITS=turbo.bits, QJL=qjl, ROTATE=rotate, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=device)
     out = torch.empty(batch, heads, rows, dim, dtype=torch.float32, device=device)
-    out_z = torch.empty_like(out) if qjl else dummy
     signs, qjl_norm, sign_bytes = qjl_args(values)
     with counting.kernel_launch("shard_stream_values"):
         _stream_values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
-            scores, lse, values.codes, values.norm, centroids, signs, qjl_norm, out, out_z,
-            qjl_scale, n, capacity, values.codes.shape[-1], sign_bytes, rows, dim,
+            scores, lse, values.codes, values.norm, centroids, signs, qjl_norm, rotation, sketch_arg, out,
+            qjl_scale, n, capacity, values.codes.shape[-1], sign_bytes, rows, dim, *rotation.stride(),
             BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
-    if qjl:
-        out = out + out_z @ sketch
-    return turbo.rotation.unrotate(out), lse
+    return out, lse
 
 
 @triton.jit

@@ -400,14 +400,15 @@ class ShardLayer(CacheLayer):
         return parts
 
     def stream_partial(self, query: torch.Tensor, scaling: float) -> Partial:
-        qg = group_queries(query.float(), self.h_kv)
         turbo = self.shared.turbo
         if self.use_triton_kernel(query):
             # the Triton kernels: scores and weighted sums straight from the codes, nothing decoded
             from kvshrink.kernels.shard_code_attention import turbo_attention
 
-            out, lse = turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling)
+            out, lse = turbo_attention(turbo, group_queries(query, self.h_kv), self.stream.keys, self.stream.values,
+                                       scaling)
             return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+        qg = group_queries(query.float(), self.h_kv)
         probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
         out = turbo.weighted_sum(probs, self.stream.values)
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
