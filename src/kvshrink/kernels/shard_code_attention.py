@@ -47,7 +47,7 @@ triton = _load_triton()     # the backend chose interpreter or GPU before (or de
 tl = triton.language
 
 __all__ = ["ComponentPlan", "component_plan", "KeyBasis", "paired_basis", "stored_basis", "BlockInputs", "held_bits",
-           "block_attention", "code_attention", "code_scores", "code_bins", "turbo_encode_into", "Tiles",
+           "block_attention", "code_attention", "code_scores", "code_bins", "code_values", "turbo_encode_into", "Tiles",
            "GPU_TILES"]
 
 
@@ -278,6 +278,55 @@ def _bins_kernel(scores_ptr, lse_ptr, vcodes_ptr, bins_ptr, n, v_bytes, rows, n_
              acc, mask=r_ok[:, None] & ((g < n_groups) & (e < ENTRIES))[None, :])
 
 
+@triton.jit
+def _values_kernel(bins_ptr, codebook_ptr, scale_ptr, rot_ptr, out_ptr, rows, n_bins, head_dim, heads,
+                   rot_row_stride, rot_col_stride, ENTRIES: tl.constexpr, GROUP: tl.constexpr, DP: tl.constexpr,
+                   BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+    # out = unrotate((bins per group @ codebook) * scale): the per-group products as one dot with the
+    # block-diagonal codebook (bin j = group g, codeword k feeds channels g*GROUP ..), built per chunk
+    pid_bh = tl.program_id(0)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rows
+    offs_c = tl.arange(0, DP)
+    c_ok = offs_c < head_dim
+    acc = tl.full((BLOCK_R, DP), 0.0, tl.float32)
+    for j0 in range(0, n_bins, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        j_ok = offs_j < n_bins
+        b = tl.load(bins_ptr + (pid_bh * rows + offs_r[:, None]) * n_bins + offs_j[None, :],
+                    mask=r_ok[:, None] & j_ok[None, :], other=0.0)
+        mine = j_ok[:, None] & c_ok[None, :] & ((offs_j // ENTRIES)[:, None] == (offs_c // GROUP)[None, :])
+        cb = tl.load(codebook_ptr + (offs_j % ENTRIES)[:, None] * GROUP + (offs_c % GROUP)[None, :], mask=mine,
+                     other=0.0).to(tl.float32)
+        acc = tl.dot(b, cb, acc, input_precision="ieee")
+    scale = tl.load(scale_ptr + (pid_bh % heads) * head_dim + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    rot = tl.load(rot_ptr + offs_c[:, None] * rot_row_stride + offs_c[None, :] * rot_col_stride,
+                  mask=c_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    out = tl.dot(acc * scale[None, :], tl.trans(rot), input_precision="ieee")
+    tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * head_dim + offs_c[None, :], out,
+             mask=r_ok[:, None] & c_ok[None, :])
+
+
+def code_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor,
+                tiles: Tiles | None = None) -> torch.Tensor:
+    """Attention output ``[B, H_kv, R, d]`` float32 from ``bins [B, H_kv, R, groups * entries]`` (see
+    `code_bins`) in one launch: summed against the value ``codebook [entries, group]``, times the block's
+    ``scale [H_kv, d]``, unrotated by ``rotation [d, d]`` (``out = x @ rotation.T``), as the layer's
+    `values_from_bins` does in three ops."""
+    batch, heads, rows, n_bins = bins.shape
+    entries, group = codebook.shape
+    head_dim = scale.shape[-1]
+    out = torch.empty(batch, heads, rows, head_dim, dtype=torch.float32, device=bins.device)
+    if rows == 0:
+        return out
+    tiles = tiles or default_tiles()
+    with counting.kernel_launch("shard_values"):
+        _values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
+            bins.contiguous(), codebook.contiguous(), scale.contiguous(), rotation, out, rows, n_bins, head_dim, heads,
+            *rotation.stride(), ENTRIES=entries, GROUP=group, DP=_pow2(head_dim), BLOCK_J=128, BLOCK_R=tiles.r)
+    return out
+
+
 @dataclass
 class KeyBasis:
     """A block's key basis as `_scores_kernel` reads it: ``basis`` (any dtype) addressed as ``[scope,
@@ -416,11 +465,14 @@ def code_bins(scores: torch.Tensor, v_codes: torch.Tensor, v_bits: int, n_groups
 
 
 def block_attention(inputs: BlockInputs, cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor,
-                    scaling: float, tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bins, lse)`` of grouped ``query [B, H_kv, R, d]`` (the model's channel order) over one block
-    prepared as `BlockInputs`: two kernels, nothing else launched."""
+                    scaling: float, rotation: torch.Tensor,
+                    tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H_kv, R, d], lse [B, H_kv, R])`` float32 of grouped ``query [B, H_kv, R, d]`` (the
+    model's channel order) over one block prepared as `BlockInputs`, its values rotated by ``rotation``:
+    three kernels (scores, bins, values), nothing else launched."""
     scores = code_scores(inputs.codes, inputs.plan, inputs.basis, cos, sin, query, scaling, inputs.held, tiles)
-    return code_bins(scores, inputs.v_codes, inputs.v_bits, inputs.n_groups, tiles)
+    bins, lse = code_bins(scores, inputs.v_codes, inputs.v_bits, inputs.n_groups, tiles)
+    return code_values(bins, inputs.codebook, inputs.v_scale, rotation, tiles), lse
 
 
 def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,

@@ -271,21 +271,17 @@ class ShardLayer(CacheLayer):
         values = codebook[idx].reshape(b, h, n, self.d)
         return self.unscale_values(block, probs @ values)
 
-    def values_from_bins(self, block: MiddleBlock, bins: torch.Tensor, codebook: torch.Tensor | None = None,
-                         scale: torch.Tensor | None = None) -> torch.Tensor:
+    def values_from_bins(self, block: MiddleBlock, bins: torch.Tensor) -> torch.Tensor:
         """Attention output ``[B, H_kv, R, d]`` from the probabilities summed per value group and codeword
-        ``bins [B, H_kv, R, groups * entries]``: one product with the codebook (``codebook`` and ``scale``:
-        the block's in float32, when already made)."""
-        codebook = block.v_codebook.float() if codebook is None else codebook
+        ``bins [B, H_kv, R, groups * entries]``: one product with the codebook."""
+        k_entries = block.v_codebook.shape[0]
         b, h, r, _ = bins.shape
-        rotated = bins.reshape(b, h, r, -1, codebook.shape[0]) @ codebook
-        return self.unscale_values(block, rotated.reshape(b, h, r, self.d), scale)
+        rotated = bins.reshape(b, h, r, -1, k_entries) @ block.v_codebook.float()
+        return self.unscale_values(block, rotated.reshape(b, h, r, self.d))
 
-    def unscale_values(self, block: MiddleBlock, rotated: torch.Tensor, scale: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+    def unscale_values(self, block: MiddleBlock, rotated: torch.Tensor) -> torch.Tensor:
         """Rotated, scaled value sums ``[B, H_kv, R, d]`` -> in the model's value space."""
-        scale = block.v_scale.float() if scale is None else scale
-        return self.shared.rotation.unrotate(rotated * scale[None, :, None, :])
+        return self.shared.rotation.unrotate(rotated * block.v_scale.float()[None, :, None, :])
 
     def middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         if self.use_triton_kernel(query):
@@ -336,10 +332,10 @@ class ShardLayer(CacheLayer):
         cos, sin = self.shared.pair_rope(ctx, block.start, block.covers, self.block_rows(block))
         b, _, r, _ = qg.shape
         step = max(1, min(r, _SCORE_ELEMENTS // max(1, b * self.h_kv * block.n)))
-        parts = [sca.block_attention(inputs, cos, sin, qg[:, :, start:start + step], ctx.scaling)
+        rotation = self.shared.rotation.matrix(qg.device, torch.float32)
+        parts = [sca.block_attention(inputs, cos, sin, qg[:, :, start:start + step], ctx.scaling, rotation)
                  for start in range(0, r, step)]
-        bins, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in zip(*parts))
-        out = self.values_from_bins(block, bins, inputs.codebook, inputs.v_scale)
+        out, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in zip(*parts))
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
 
     def block_inputs(self, block: MiddleBlock):
