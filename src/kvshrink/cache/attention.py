@@ -175,21 +175,22 @@ def _matmul_partial(query, key, value, scaling, mask, return_probs):
     return part
 
 
-def merge_partials(parts: list[Partial]) -> Partial:
-    """Combine partials over disjoint token sets into the softmax over their union."""
+def merge_partials(parts: list[Partial], out_dtype: torch.dtype | None = None) -> Partial:
+    """Combine partials over disjoint token sets into the softmax over their union (``out`` in
+    ``out_dtype``, float32 when None: the GPU kernel writes it so, without a conversion after)."""
     if len(parts) == 1:
-        return parts[0]
+        return parts[0] if out_dtype is None else Partial(parts[0].out.to(out_dtype), parts[0].lse)
     if gpu_path(parts[0].lse):  # one kernel instead of a few ops per part
         from kvshrink.kernels.exact_attention import merge_attention
 
-        return Partial(*merge_attention([p.out for p in parts], [p.lse for p in parts]))
+        return Partial(*merge_attention([p.out for p in parts], [p.lse for p in parts], out_dtype))
     lses = torch.stack([p.lse for p in parts])  # [P, B, Hq, q]
     total = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - total.masked_fill(torch.isinf(total), 0.0)).unsqueeze(-1)
     # one product and one sum over the stacked outputs (not two ops per part): a decode step merges
     # several partials per layer
     out = (torch.stack([p.out for p in parts]) * weights).sum(dim=0)
-    return Partial(out, total)
+    return Partial(out if out_dtype is None else out.to(out_dtype), total)
 
 
 def causal_chunk_attention(

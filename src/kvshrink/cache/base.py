@@ -204,7 +204,7 @@ class CacheLayer(CacheLayerMixin):
                 out = causal_chunk_attention(query, key, value, ctx.scaling, ctx.pad_len).float()
             else:
                 parts.append(self._chunk_partial(query, key, value, ctx))
-                out = merge_partials(parts).out
+                out = merge_partials(parts, query.dtype).out
         self._pending = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()

@@ -177,5 +177,5 @@ def _merge_partials_kernel(OUTS, LSES, O, L, rows, head_dim, NUM: tl.constexpr, 
     for i in tl.static_range(NUM):
         w = tl.exp(tl.load(LSES[i] + r, mask=r_ok, other=float("-inf")) - base)
         acc += tl.load(OUTS[i] + r[:, None] * head_dim + d[None, :], mask=ok, other=0.0) * w[:, None]
-    tl.store(O + r[:, None] * head_dim + d[None, :], acc, mask=ok)
+    tl.store(O + r[:, None] * head_dim + d[None, :], acc.to(O.dtype.element_ty), mask=ok)
     tl.store(L + r, lse, mask=r_ok)

@@ -141,16 +141,18 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return final, final_lse
 
 
-def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, H_q, q, d], lse [B, H_q, q])`` float32: partials over disjoint token sets (``outs`` and
-    ``lses`` of those shapes) merged into the softmax over their union in one launch (up to
-    ``_MERGE_MOST`` partials), the GPU-path twin of ``kvshrink.cache.attention.merge_partials``."""
+def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H_q, q, d] in out_dtype (float32 when None), lse [B, H_q, q] float32)``: partials over
+    disjoint token sets (``outs`` and ``lses`` of those shapes) merged into the softmax over their union in
+    one launch (up to ``_MERGE_MOST`` partials), the GPU-path twin of
+    ``kvshrink.cache.attention.merge_partials``."""
     while len(outs) > _MERGE_MOST:   # rare (many middle blocks): merge the first ones into one partial
         first = merge_attention(outs[:_MERGE_MOST], lses[:_MERGE_MOST])
         outs, lses = [first[0], *outs[_MERGE_MOST:]], [first[1], *lses[_MERGE_MOST:]]
     shape, d = outs[0].shape, outs[0].shape[-1]
     rows = outs[0].numel() // max(1, d)
-    out = torch.empty(shape, device=outs[0].device, dtype=torch.float32)
+    out = torch.empty(shape, device=outs[0].device, dtype=out_dtype or torch.float32)
     lse = torch.empty(shape[:-1], device=outs[0].device, dtype=torch.float32)
     block_r = 16
     with counting.kernel_launch("merge_partials"):

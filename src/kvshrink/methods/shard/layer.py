@@ -160,10 +160,10 @@ class ShardLayer(CacheLayer):
             parts.append(self._chunk_partial(query, key, value, ctx))
         parts += [exact_partial(query, block.salient.keys, block.salient.values, ctx.scaling)
                   for block in self.middle if block.salient is not None]
-        out = merge_partials(parts + self.code_partials(query, ctx)).out
+        out = merge_partials(parts + self.code_partials(query, ctx), query.dtype).out
         self.decoding = True
         self.ring_commit(ring, None if inside else (key, value))
-        return out.to(query.dtype).transpose(1, 2).contiguous()
+        return out.transpose(1, 2).contiguous()
 
     def decode_ring(self, key: torch.Tensor, ctx: StepContext) -> ExactRing:
         """The ring, packed from the sinks and window stores on the first decode step after anything else;
