@@ -171,9 +171,10 @@ def test_exact_kernel_compiles_for_a_gpu():
 DECODE_ROWS = [
     pytest.param("full", {}, 0, 3.0, id="full"),
     pytest.param("streaming", {"sinks": 2, "window": 8}, 0, 3.0, id="streaming"),
-    # a compressed middle at 40 tokens: 17.5 launches (was 103.5, then 79.5), 10 of them kernels; the
-    # issue's 3x is not met yet (what remains: docs/results.md, "The GPU path")
-    pytest.param("shard", {"window": 8, "min_block": 16}, 0, 6.0, id="shard"),
+    # a compressed middle at 40 tokens: 14.5 launches (was 103.5, then 79.5), 11 of them kernels, the
+    # rest the step's bookkeeping on layer 0; the 3x is not met yet (what remains:
+    # docs/results.md, "The GPU path")
+    pytest.param("shard", {"window": 8, "min_block": 16}, 0, 5.0, id="shard"),
     pytest.param("lrqk", {"top_k": 8, "window": 4}, 1, None, id="lrqk"),
 ]
 _LAYERS = 4  # enough layers that the per-step bookkeeping (on layer 0) is amortised as on a real model

@@ -79,3 +79,34 @@ def test_ring_survives_fork_save_and_a_new_turn(tmp_path):
     torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-6)
     layer = cache.layers[0]
     assert layer._ring is not None and layer.stream.n == 3 + 1 + 5 + 1 and len(layer.window) == 8
+
+
+@pytest.mark.parametrize("src,store", [(torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_the_gpu_paths_put_kernel_stores_a_token_and_defers_its_overflow_check(src, store):
+    """`kernels.shard_ring.put_token` (one launch) == the torch put: the key and value in their slot in the
+    ring's dtype; a value beyond float16's range, or a NaN, is raised by the next deferred check."""
+    pytest.importorskip("triton")
+    from kvshrink.cache import store as stores
+    from kvshrink.kernels.backend import force_gpu_path
+    from kvshrink.kernels.counting import OpCounter
+    from kvshrink.kernels.shard_ring import put_token
+
+    g = torch.Generator().manual_seed(1)
+    stores.raise_deferred()
+    kv = torch.zeros(2, 2, 3, 7, 24, dtype=store)
+    key = torch.randn(2, 1, 3, 24, generator=g).to(src).transpose(1, 2)    # strided, as the model's
+    value = torch.randn(2, 3, 1, 24, generator=g).to(src)
+    with force_gpu_path():
+        stores.deferred_peak_slot(kv.device)     # made once after each check (a fill), then raised in place
+        with OpCounter() as counter:
+            put_token(kv, 5, key, value)
+        assert counter.launches == 1 and counter.syncs == 0, (counter.launch_ops, counter.kernels)
+        stores.raise_deferred()
+        assert torch.equal(kv[0, :, :, 5:6], key.to(store)) and torch.equal(kv[1, :, :, 5:6], value.to(store))
+        assert not kv[:, :, :, :5].any() and not kv[:, :, :, 6:].any()
+        if store != torch.float16:
+            return
+        for bad in (7e4, float("nan")):
+            put_token(kv, 2, key, value.clone().fill_(bad))
+            with pytest.raises(ValueError, match="float16"):
+                stores.raise_deferred()

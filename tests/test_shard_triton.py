@@ -505,6 +505,11 @@ sig = dict(common, scores_ptr="*fp32", lse_ptr="*fp32", out_ptr="*fp32")
 sig = {name: sig[name] for name in sca._stream_values_kernel.arg_names}
 k = compile(ASTSource(sca._stream_values_kernel, sig, consts), target=target)
 assert "cubin" in k.asm, list(k.asm)
+from kvshrink.kernels import shard_ring
+sig = {name: "constexpr" if name.isupper() else "i32" for name in shard_ring._put_kernel.arg_names}
+sig.update(key_ptr="*fp32", value_ptr="*fp32", kv_ptr="*fp16", peak_ptr="*i32")
+k = compile(ASTSource(shard_ring._put_kernel, sig, dict(CHECK=True, DP=128, BLOCK_M=16)), target=target)
+assert "cubin" in k.asm, list(k.asm)
 sig = {name: "constexpr" if name.isupper() else "i32" for name in sca._values_kernel.arg_names}
 sig.update(bins_ptr="*fp32", codebook_ptr="*fp32", scale_ptr="*fp32", rot_ptr="*fp32", out_ptr="*fp32")
 k = compile(ASTSource(sca._values_kernel, sig, dict(ENTRIES=256, GROUP=4, DP=128, BLOCK_J=128, BLOCK_R=t.r)),

@@ -41,9 +41,14 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return x.to(dtype)
 
 
+def storage_overflow_check(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether storing ``x`` in ``dtype`` must be checked for fp16 overflow (it narrows to float16)."""
+    return dtype == torch.float16 and x.dtype != dtype and bool(x.numel())
+
+
 def check_storage(x: torch.Tensor, dtype: torch.dtype) -> None:
     """`to_storage`'s overflow check alone, for a caller that converts while copying into its buffer."""
-    if dtype == torch.float16 and x.dtype != dtype and x.numel():
+    if storage_overflow_check(x, dtype):
         if gpu_path(x):
             defer_peak(_peak(x), _FP16_MAX, _OVERFLOW)
         else:
@@ -76,6 +81,16 @@ def defer_peak(value: torch.Tensor, limit: float, message: str) -> None:
     held = _DEFERRED.get(key)
     value = value.detach().float()
     _DEFERRED[key] = (value if held is None else torch.maximum(held[0], value), limit)
+
+
+def deferred_peak_slot(device: torch.device) -> torch.Tensor:
+    """The running maximum `to_storage`'s deferred fp16-overflow check keeps on ``device`` (a 0-d float32
+    tensor, made when none is held) for a kernel to raise in place: it maxes the value's bits as an
+    int32 (non-negative floats order as their bits, NaN above inf), so nothing else is launched."""
+    key = (_OVERFLOW, str(device))
+    if key not in _DEFERRED:
+        _DEFERRED[key] = (torch.zeros((), dtype=torch.float32, device=device), _FP16_MAX)
+    return _DEFERRED[key][0]
 
 
 def defer_nan(x: torch.Tensor, message: str) -> None:

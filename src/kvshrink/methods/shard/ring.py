@@ -8,6 +8,7 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.store import ExactStore, check_storage
+from kvshrink.kernels.backend import gpu_path, triton_available
 
 
 class ExactRing:
@@ -43,9 +44,14 @@ class ExactRing:
     def put(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store one token ``[B, H_kv, 1, d]`` (the ring must have a free slot)."""
         at = self.n_sinks + (self.head + self.count) % self.slots
-        both = torch.stack([key, value])
-        check_storage(both, self.dtype)
-        self.kv[:, :, :, at:at + 1] = both     # converted to the ring's dtype by the copy
+        if gpu_path(key) and triton_available() and key.stride(-1) == value.stride(-1) == 1:
+            from kvshrink.kernels.shard_ring import put_token
+
+            put_token(self.kv, at, key, value)   # one launch, the overflow check included
+        else:
+            both = torch.stack([key, value])
+            check_storage(both, self.dtype)
+            self.kv[:, :, :, at:at + 1] = both     # converted to the ring's dtype by the copy
         self.count += 1
 
     def pop_oldest(self) -> tuple[torch.Tensor, int]:
