@@ -492,9 +492,9 @@ for bits, groups in ((8, 1), (5, 8)):
                                                        GROUPS=groups, BLOCK_N=t.n, BLOCK_R=t.r)), target=target)
     assert "cubin" in k.asm, list(k.asm)
 common = dict(codes_ptr="*u8", norm_ptr="*fp16", centroids_ptr="*fp32", signs_ptr="*u8", qjl_norm_ptr="*fp16",
-              qjl_scale="fp32", n="i32", capacity="i32", n_bytes="i32", sign_bytes="i32", rows="i32", dim="i32", BITS="constexpr",
-              QJL="constexpr", DP="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr", rot_ptr="*fp32",
-              sketch_ptr="*fp32", rot_row_stride="i32", rot_col_stride="i32")
+              qjl_scale="fp32", n="i32", capacity="i32", n_bytes="i32", sign_bytes="i32", rows="i32", dim="i32",
+              BITS="constexpr", QJL="constexpr", DP="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr",
+              rot_ptr="*fp32", sketch_ptr="*fp32", rot_row_stride="i32", rot_col_stride="i32")
 consts = dict(BITS=3, QJL=True, DP=128, BLOCK_N=t.n, BLOCK_R=t.r)
 sig = dict(common, q_ptr="*bf16", qs_ptr="*fp32", out_ptr="*fp32", scaling="fp32", ROTATE="constexpr")
 sig = {name: sig[name] for name in sca._stream_scores_kernel.arg_names}

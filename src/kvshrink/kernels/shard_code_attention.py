@@ -300,8 +300,7 @@ def _values_kernel(bins_ptr, codebook_ptr, scale_ptr, rot_ptr, out_ptr, rows, n_
                      other=0.0).to(tl.float32)
         acc = tl.dot(b, cb, acc, input_precision="ieee")
     scale = tl.load(scale_ptr + (pid_bh % heads) * head_dim + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-    rot = tl.load(rot_ptr + offs_c[:, None] * rot_row_stride + offs_c[None, :] * rot_col_stride,
-                  mask=c_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    rot = _square(rot_ptr, offs_c, c_ok, rot_row_stride, rot_col_stride)
     out = tl.dot(acc * scale[None, :], tl.trans(rot), input_precision="ieee")
     tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * head_dim + offs_c[None, :], out,
              mask=r_ok[:, None] & c_ok[None, :])
@@ -557,8 +556,8 @@ def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, 
 @triton.jit
 def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_ptr, signs_ptr, qjl_norm_ptr,
                           rot_ptr, sketch_ptr, out_ptr, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
-                          rot_row_stride, rot_col_stride, BITS: tl.constexpr, QJL: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_R: tl.constexpr):
+                          rot_row_stride, rot_col_stride, BITS: tl.constexpr, QJL: tl.constexpr,
+                          DP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_bh = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rows
@@ -674,9 +673,9 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
 
 @triton.jit
 def _turbo_encode_kernel(x_ptr, rotation_ptr, bounds_ptr, codes_ptr, norm_ptr, n_rows, n, x_row_stride,
-                         x_token_stride, rot_row_stride, rot_col_stride, out_row_stride, at, dim, n_bytes, BITS: tl.constexpr,
-                         N_BOUNDS: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
-                         DP: tl.constexpr, BLOCK_M: tl.constexpr):
+                         x_token_stride, rot_row_stride, rot_col_stride, out_row_stride, at, dim, n_bytes,
+                         BITS: tl.constexpr, N_BOUNDS: tl.constexpr, GROUP: tl.constexpr,
+                         GROUP_BYTES: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr):
     # rows m = row * n + token of x; each: norm, unit vector rotated, the index of its interval among the
     # boundaries (torch.bucketize), packed little-endian (GROUP codes fill GROUP_BYTES bytes exactly)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -690,8 +689,7 @@ def _turbo_encode_kernel(x_ptr, rotation_ptr, bounds_ptr, codes_ptr, norm_ptr, n
                 other=0.0).to(tl.float32)
     norm = tl.sqrt(tl.sum(x * x, 1))
     unit = x / tl.maximum(norm, 1e-12)[:, None]
-    rot = tl.load(rotation_ptr + offs_i[:, None] * rot_row_stride + offs_i[None, :] * rot_col_stride, mask=i_ok[:, None] & i_ok[None, :],
-                  other=0.0)
+    rot = _square(rotation_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride)
     y = tl.dot(unit, rot, input_precision="ieee")                                          # [BLOCK_M, DP]
     code = tl.full((BLOCK_M, DP), 0, tl.int32)
     for j in tl.static_range(N_BOUNDS):

@@ -322,9 +322,8 @@ class ShardLayer(CacheLayer):
     def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
         """The block's partial from the Triton kernels (`kernels.shard_code_attention.block_attention`): the
         same result as `fused_middle_partial`, on any device, with no host synchronisation and nothing but
-        the two kernels and the values' three products launched once the block's `BlockInputs` are built
-        (first use, kept on the block). Query rows are taken in slices whose scores stay under
-        ``_SCORE_ELEMENTS`` (prefill-with-past)."""
+        its three kernels launched once the block's `BlockInputs` are built (first use, kept on the block).
+        Query rows are taken in slices whose scores stay under ``_SCORE_ELEMENTS`` (prefill-with-past)."""
         from kvshrink.kernels import shard_code_attention as sca
 
         qg = group_queries(query, self.h_kv)        # the model's channel order: the kernel pairs them
