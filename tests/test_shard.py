@@ -35,12 +35,14 @@ def check_equivalence(cache, batch, seed=1, layers=None, ctx=None):
         torch.testing.assert_close(got.lse, want.lse, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scope,weights,salient", [("layer", "none", 0.0), ("head", "none", 0.0), ("layer", "query", 0.0),
-                                                   ("head", "query", 0.0), ("head", "none", 0.05), ("layer", "none", 0.05)])
-def test_attention_from_packed_store_equals_dequantized_attention(scope, weights, salient):
+@pytest.mark.parametrize("scope,weights,salient,held", [
+    ("layer", "none", 0.0, "exact"), ("head", "none", 0.0, "exact"), ("layer", "query", 0.0, "exact"),
+    ("head", "query", 0.0, "exact"), ("head", "none", 0.05, "exact"), ("layer", "none", 0.05, "exact"),
+    ("head", "none", 0.05, "int8")])
+def test_attention_from_packed_store_equals_dequantized_attention(scope, weights, salient, held):
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100, pca_scope=scope,
-                                key_weights=weights, salient=salient, evict=0.0)
+                                key_weights=weights, salient=salient, evict=0.0, salient_dtype=held)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[0]
@@ -252,6 +254,31 @@ def test_salient_option_keeps_exact_tokens_per_head_and_counts_their_bytes():
     keys, values, _ = layer.dequantized(ctx)
     head, row = 1, int(block.salient.index[0, 1, 0])
     torch.testing.assert_close(keys[0, head, 4 + row], block.salient.keys[0, head, 0].float())
+
+
+def test_int8_salient_tokens_take_68_bytes_per_vector_and_stay_within_half_a_step():
+    """salient_dtype="int8": each salient K and V vector is 16 one-byte codes plus an fp16 step and zero
+    point (36 bytes against 32 in fp16 at head size 16; 68 against 128 at 64), within half a step of the
+    model's value, and the attention reads those decoded vectors in place of the block's codes."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
+    exact = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.02, evict=0.0)
+    coded = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.02, evict=0.0, salient_dtype="int8")
+    prefill(model, exact, ids), prefill(model, coded, ids)
+    m = 10  # ceil(0.02 * 480) rows per KV head; 2 layers, 2 KV heads
+    assert coded.breakdown()["middle_salient"] == 2 * 2 * m * (4 + 2 * (16 + 4))
+    for a, b in zip(exact.layers, coded.layers):
+        held, want = b.middle[0].salient, a.middle[0].salient
+        assert torch.equal(held.index, want.index)  # the same tokens are chosen
+        for code, ref in zip((held.keys, held.values), (want.keys, want.values)):
+            step = code.scale.float()  # [B, H_kv, m, 1]: one step per vector
+            decoded = held.key_values(torch.float32)[0 if code is held.keys else 1]
+            assert ((decoded - ref.float()).abs() <= step / 2 + 1e-3 * ref.float().abs()).all()
+    layer, ctx = coded.layers[0], coded._ctx
+    keys, _, _ = layer.dequantized(ctx)
+    block = layer.middle[0]
+    row = int(block.salient.index[0, 1, 0])
+    torch.testing.assert_close(keys[0, 1, 4 + row], block.salient.key_values(torch.float32)[0][0, 1, 0])
 
 
 def _peak_live_bytes(fn) -> int:

@@ -9,6 +9,7 @@ from kvshrink.cache.registry import option
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES
 from kvshrink.codecs.scalar_levels import COEFF_LEVELS
 from kvshrink.codecs.vq import check_codebook_size
+from kvshrink.methods.shard.salient import SALIENT_DTYPES
 
 STREAM_BITS = (2, 3, 4, 8)
 V_FITS = ("gaussian", "kmeans")
@@ -61,6 +62,9 @@ class ShardConfig:
                           "each block drops its least-attended tokens (by the last `observe` queries, pooled "
                           "like `salient`) while they hold at most this share of every KV head's attention "
                           "(0 = keep every token)", low=0, high=0.5)
+    salient_dtype: str = option("exact", "how salient tokens are held: 'exact' (in exact_dtype) or 'int8' (8-bit "
+                                "codes, one float16 step and zero point per token vector: about half the bytes)",
+                                choices=SALIENT_DTYPES)
     observe: int = option(32, "last prompt queries whose attention picks the salient tokens", low=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
