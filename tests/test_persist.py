@@ -22,7 +22,7 @@ PREFIX, QUESTION, NEW = 96, 12, 6
 # Options that make every method compress / evict / quantize inside the 96-token prefix of a tiny model.
 METHODS = [
     ("full", {}),
-    ("shard", {"sinks": 2, "window": 8, "min_block": 16, "v_codebook": 16}),
+    ("shard", {"sinks": 2, "window": 8, "min_block": 16, "v_codebook": 16, "salient_dtype": "int8"}),
     ("streaming", {"sinks": 2, "window": 16}),
     ("h2o", {"budget": 24}),
     ("scissorhands", {"budget": 24}),

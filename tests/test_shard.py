@@ -35,12 +35,14 @@ def check_equivalence(cache, batch, seed=1, layers=None, ctx=None):
         torch.testing.assert_close(got.lse, want.lse, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scope,weights,salient", [("layer", "none", 0.0), ("head", "none", 0.0), ("layer", "query", 0.0),
-                                                   ("head", "query", 0.0), ("head", "none", 0.05), ("layer", "none", 0.05)])
-def test_attention_from_packed_store_equals_dequantized_attention(scope, weights, salient):
+@pytest.mark.parametrize("scope,weights,salient,held", [
+    ("layer", "none", 0.0, "exact"), ("head", "none", 0.0, "exact"), ("layer", "query", 0.0, "exact"),
+    ("head", "query", 0.0, "exact"), ("head", "none", 0.05, "exact"), ("layer", "none", 0.05, "exact"),
+    ("head", "none", 0.05, "int8")])
+def test_attention_from_packed_store_equals_dequantized_attention(scope, weights, salient, held):
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, block_tokens=100, pca_scope=scope,
-                                key_weights=weights, salient=salient, evict=0.0)
+                                key_weights=weights, salient=salient, evict=0.0, salient_dtype=held)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[0]
@@ -119,7 +121,7 @@ def test_short_prompt_stays_exact_and_bytes_add_up():
 def test_bytes_count_every_tensor():
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.0, pca_scope="layer", salient=0.015,
-                                evict=0.0)
+                                evict=0.0, salient_dtype="exact")
     ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
     layer = cache.layers[1]
@@ -192,8 +194,8 @@ def test_global_allocation_builds_per_layer_budgets_on_a_model():
 def test_query_weighted_keys_store_a_per_channel_scale_from_the_queries():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(5))
-    plain = kvshrink.make_cache("shard", model, sinks=4, window=16)
-    weighted = kvshrink.make_cache("shard", model, sinks=4, window=16, key_weights="query")
+    plain = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.0)
+    weighted = kvshrink.make_cache("shard", model, sinks=4, window=16, key_weights="query", evict=0.0)
     prefill(model, plain, ids)
     prefill(model, weighted, ids)
     assert all(code.column_scale is None for layer in plain.layers for b in layer.middle for code in b.keys)
@@ -206,7 +208,9 @@ def test_query_weighted_keys_store_a_per_channel_scale_from_the_queries():
         expected = (energy / energy.mean()).clamp_min(1e-2).rsqrt()
         torch.testing.assert_close(scales, expected, rtol=2e-3, atol=1e-3)
         assert scales.std() > 0.05
-    assert weighted.nbytes() > plain.nbytes()                     # the scales are counted
+    # the column scales are counted (with the key scales): [H_kv, d] fp16 per block
+    extra = sum(code.column_scale.numel() * 2 for layer in weighted.layers for b in layer.middle for code in b.keys)
+    assert weighted.breakdown()["middle_k_scales"] == plain.breakdown()["middle_k_scales"] + extra
 
 
 def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exact():
@@ -238,8 +242,8 @@ def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exa
 def test_salient_option_keeps_exact_tokens_per_head_and_counts_their_bytes():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
-    plain = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0)
-    kept = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.02)
+    plain = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0, evict=0.0)
+    kept = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.02, evict=0.0, salient_dtype="exact")
     prefill(model, plain, ids), prefill(model, kept, ids)
     block = kept.layers[0].middle[0]
     m = 10  # ceil(0.02 * 480)
@@ -252,6 +256,31 @@ def test_salient_option_keeps_exact_tokens_per_head_and_counts_their_bytes():
     keys, values, _ = layer.dequantized(ctx)
     head, row = 1, int(block.salient.index[0, 1, 0])
     torch.testing.assert_close(keys[0, head, 4 + row], block.salient.keys[0, head, 0].float())
+
+
+def test_int8_salient_tokens_take_68_bytes_per_vector_and_stay_within_half_a_step():
+    """salient_dtype="int8": each salient K and V vector is 16 one-byte codes plus an fp16 step and zero
+    point (36 bytes against 32 in fp16 at head size 16; 68 against 128 at 64), within half a step of the
+    model's value, and the attention reads those decoded vectors in place of the block's codes."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
+    exact = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.02, evict=0.0, salient_dtype="exact")
+    coded = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.02, evict=0.0, salient_dtype="int8")
+    prefill(model, exact, ids), prefill(model, coded, ids)
+    m = 10  # ceil(0.02 * 480) rows per KV head; 2 layers, 2 KV heads
+    assert coded.breakdown()["middle_salient"] == 2 * 2 * m * (4 + 2 * (16 + 4))
+    for a, b in zip(exact.layers, coded.layers):
+        held, want = b.middle[0].salient, a.middle[0].salient
+        assert torch.equal(held.index, want.index)  # the same tokens are chosen
+        for code, ref in zip((held.keys, held.values), (want.keys, want.values)):
+            step = code.scale.float()  # [B, H_kv, m, 1]: one step per vector
+            decoded = held.key_values(torch.float32)[0 if code is held.keys else 1]
+            assert ((decoded - ref.float()).abs() <= step / 2 + 1e-3 * ref.float().abs()).all()
+    layer, ctx = coded.layers[0], coded._ctx
+    keys, _, _ = layer.dequantized(ctx)
+    block = layer.middle[0]
+    row = int(block.salient.index[0, 1, 0])
+    torch.testing.assert_close(keys[0, 1, 4 + row], block.salient.key_values(torch.float32)[0][0, 1, 0])
 
 
 def _peak_live_bytes(fn) -> int:
@@ -333,7 +362,7 @@ def test_salient_tokens_of_an_evicting_block_hold_the_models_keys_and_values_of_
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
     full = kvshrink.make_cache("full", model)
-    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, evict=0.2, salient=0.1)
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, evict=0.2, salient=0.1, salient_dtype="exact")
     prefill(model, full, ids)
     prefill(model, shard, ids)
     checked = 0

@@ -158,7 +158,7 @@ class ShardLayer(CacheLayer):
         parts = [part for part in (ring.partial(query, ctx.scaling),) if part is not None]
         if not inside:
             parts.append(self._chunk_partial(query, key, value, ctx))
-        parts += [exact_partial(query, block.salient.keys, block.salient.values, ctx.scaling)
+        parts += [exact_partial(query, *block.salient.key_values(ring.dtype), ctx.scaling)
                   for block in self.middle if block.salient is not None]
         out = merge_partials(parts + self.code_partials(query, ctx), query.dtype).out
         self.decoding = True
@@ -212,7 +212,7 @@ class ShardLayer(CacheLayer):
             return None
         if len(runs) == 1 and not salient:
             return runs[0].partial(query, ctx.scaling, ctx.pad_len)
-        device = (runs[0].keys if runs else salient[0].salient.keys).device
+        device = (runs[0].keys if runs else salient[0].salient.index).device
         keys, values, index = [], [], []
         for run in runs:
             keys.append(run.keys), values.append(run.values)
@@ -220,7 +220,8 @@ class ShardLayer(CacheLayer):
         for block in salient:
             # rows differ per head, but the index only serves the padding mask: middle tokens are never
             # padding, so the block's first index stands for all of them
-            keys.append(block.salient.keys), values.append(block.salient.values)
+            k, v = block.salient.key_values(self._sinks.dtype)
+            keys.append(k), values.append(v)
             index.append(torch.full((block.salient.index.shape[-1],), block.start, device=device))
         return exact_partial(query, torch.cat(keys, dim=2), torch.cat(values, dim=2), ctx.scaling,
                              key_index=torch.cat(index), pad_len=ctx.pad_len)
@@ -497,7 +498,8 @@ class ShardLayer(CacheLayer):
         v_codes, codebook, scale = self.encode_values(value, rows)
         salient = None
         if self.cfg.salient > 0 and importance is not None:
-            salient = pick_salient(importance, key, value, self.cfg.salient, self._sinks.dtype, rows)
+            salient = pick_salient(importance, key, value, self.cfg.salient, self._sinks.dtype, rows,
+                                   held=self.cfg.salient_dtype)
         n = span if rows is None else rows.numel()
         block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook,
                             v_scale=scale, salient=salient, kept=kept, span=span if kept is not None else 0)
@@ -586,8 +588,9 @@ class ShardLayer(CacheLayer):
             v = self.middle_values(block, eye, 0, block.n)
             if block.salient is not None:
                 rows = block.salient.index.long().unsqueeze(-1).expand(-1, -1, -1, self.d)
-                k = k.scatter(2, rows, block.salient.keys.float())
-                v = v.scatter(2, rows, block.salient.values.float())
+                held_k, held_v = block.salient.key_values(torch.float32)
+                k = k.scatter(2, rows, held_k)
+                v = v.scatter(2, rows, held_v)
             keys.append(k), values.append(v)
             index.append(block.token_index(device))
         if self.stream.n:

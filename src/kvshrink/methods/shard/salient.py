@@ -9,16 +9,27 @@ from dataclasses import dataclass
 import torch
 
 from kvshrink.cache.store import to_storage
+from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
+
+# How salient tokens are held: in the exact dtype, or as 8-bit codes with one fp16 step and zero point per
+# token vector (68 bytes per 64-channel vector instead of 128: about twice the tokens for the same bytes).
+SALIENT_DTYPES = ("exact", "int8")
 
 
 @dataclass
 class SalientTokens:
-    """Middle tokens kept exact, chosen per KV head: block rows ``index [B, H_kv, m]`` (int32) and their
-    keys and values ``[B, H_kv, m, d]`` in the exact dtype."""
+    """Middle tokens held apart from the block's codes, chosen per KV head: block rows ``index [B, H_kv, m]``
+    (int32) and their keys and values ``[B, H_kv, m, d]``, in the exact dtype or as 8-bit `GroupCode`s
+    (``salient_dtype="int8"``)."""
 
     index: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | GroupCode
+    values: torch.Tensor | GroupCode
+
+    def key_values(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H_kv, m, d]`` in ``dtype``: the stored tensors, or the 8-bit codes decoded."""
+        return tuple((x if isinstance(x, torch.Tensor) else dequantize_groups(x, torch.float32)).to(dtype)
+                     for x in (self.keys, self.values))
 
     def hidden(self, n: int) -> torch.Tensor:
         """``[B, H_kv, 1, n]`` bool: True at the block rows held here (the codes' copies are not attended)."""
@@ -27,7 +38,8 @@ class SalientTokens:
         return mask.scatter_(2, self.index.long(), True).unsqueeze(2)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.index, self.keys, self.values]
+        return [self.index] + [t for x in (self.keys, self.values)
+                               for t in ([x] if isinstance(x, torch.Tensor) else x.tensors())]
 
 
 # Observation queries scored at once (bounds the score block to rows x tokens, not all queries x tokens).
@@ -50,10 +62,11 @@ def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: flo
 
 
 def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fraction: float,
-                 dtype: torch.dtype, kept: torch.Tensor | None = None) -> SalientTokens | None:
+                 dtype: torch.dtype, kept: torch.Tensor | None = None, held: str = "exact") -> SalientTokens | None:
     """The ``ceil(fraction * n)`` block rows per KV head of highest ``importance [B, H_kv, n]`` (see
     `observed_importance`), sorted by row, with their keys and values from ``key/value [B, H_kv, span, d]``:
-    block row ``i`` is token ``kept[i]`` of the span when some were evicted, else token ``i``."""
+    block row ``i`` is token ``kept[i]`` of the span when some were evicted, else token ``i``. ``held``
+    (`SALIENT_DTYPES`): stored in ``dtype``, or as 8-bit codes per token vector."""
     n = importance.shape[-1]
     count = min(n, math.ceil(fraction * n - 1e-9))  # 1e-9: 0.035 * 200 is not 7
     if count == 0:
@@ -61,8 +74,13 @@ def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     index = importance.topk(count, dim=-1).indices.sort(dim=-1).values  # [B, H_kv, m]
     tokens = index if kept is None else kept[index]
     rows = tokens.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
-    return SalientTokens(index.to(torch.int32), to_storage(key.gather(2, rows), dtype),
-                         to_storage(value.gather(2, rows), dtype))
+    def store(x: torch.Tensor) -> torch.Tensor | GroupCode:
+        if held == "exact":
+            return to_storage(x, dtype)
+        # the step and zero point are float16: refuse beyond its range, as an fp16 store does
+        return quantize_groups(to_storage(x, torch.float16), 8, x.shape[-1])
+
+    return SalientTokens(index.to(torch.int32), store(key.gather(2, rows)), store(value.gather(2, rows)))
 
 
 def tokens_to_keep(importance: torch.Tensor, mass: float) -> torch.Tensor:
