@@ -180,9 +180,12 @@ if fused.available():
 
 def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor,
                 resident_lhs: torch.Tensor, resident_rhs: torch.Tensor, lam: float, update_bases: bool,
-                iters: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                iters: int = 2, in_place: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q̂ [N, G, r]`` and ``k̂ [N, r]`` (float64) of one new token, and the bases after the
     line-search step (new float32 ``[N, r, d]`` tensors; the given ones when not ``update_bases``).
+    ``in_place``: contiguous float32 bases take the step in place and are returned (a decode step's
+    owner saves two copies per layer); other bases are copied as without it.
 
     CPU tensors: ``query [N, G, d]``, ``key [N, d]``, bases ``b_q``/``b_k`` ``[N, r, d]``;
     ``resident_lhs [N, r, r]`` = ``AᵀA`` and ``resident_rhs [N, G, r]`` = ``(q·Kᵀ)A`` over the
@@ -191,12 +194,20 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: 
     r = b_q.shape[1]
     q_hat = np.empty((n, g, r))
     k_hat = np.empty((n, r))
-    new_b_q, new_b_k = (b.detach().float().clone(memory_format=torch.contiguous_format) for b in (b_q, b_k))
+    new_b_q, new_b_k = (b if in_place and _is_kernel_basis(b) else _basis_copy(b) for b in (b_q, b_k))
     _decode_step(_array(query), _array(key), new_b_q.numpy(), new_b_k.numpy(), _array(resident_lhs),
                  _array(resident_rhs), float(lam), int(iters), bool(update_bases), q_hat, k_hat)
     if not update_bases:
         new_b_q, new_b_k = b_q, b_k
     return torch.from_numpy(q_hat), torch.from_numpy(k_hat), new_b_q, new_b_k
+
+
+def _is_kernel_basis(b: torch.Tensor) -> bool:
+    return b.dtype == torch.float32 and b.is_contiguous() and not b.requires_grad
+
+
+def _basis_copy(b: torch.Tensor) -> torch.Tensor:
+    return b.detach().float().clone(memory_format=torch.contiguous_format)
 
 
 def _array(x: torch.Tensor) -> np.ndarray:
