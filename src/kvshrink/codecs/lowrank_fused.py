@@ -85,33 +85,52 @@ if fused.available():
         return out
 
     @njit(cache=True, fastmath=_FASTMATH)
+    def _gram(a):  # pragma: no cover - compiled
+        """``a @ aᵀ`` for ``a [n, d]`` (float64), each pair once (the product is symmetric)."""
+        n = a.shape[0]
+        out = np.empty((n, n))
+        for i in range(n):
+            for j in range(i, n):
+                s = 0.0
+                for t in range(a.shape[1]):
+                    s += a[i, t] * a[j, t]
+                out[i, j] = s
+                out[j, i] = s
+        return out
+
+    @njit(cache=True, fastmath=_FASTMATH)
     def _line_search(basis, factors, targets):  # pragma: no cover - compiled
         """``lowrank.line_search_basis_step`` for one head: ``basis [r, d]`` float64, ``factors [G, r]``,
-        ``targets [G, d]``; returns the new basis (float64)."""
+        ``targets [G, d]``; returns the new basis (float64). Every inner loop runs along ``d`` (contiguous,
+        so it vectorises)."""
         g_rows, r = factors.shape
-        resid = np.zeros((g_rows, basis.shape[1]))
+        d = basis.shape[1]
+        resid = np.empty((g_rows, d))
         for g in range(g_rows):
-            for t in range(basis.shape[1]):
-                s = -targets[g, t]
-                for i in range(r):
-                    s += factors[g, i] * basis[i, t]
-                resid[g, t] = s
-        grad = np.zeros((r, basis.shape[1]))
+            for t in range(d):
+                resid[g, t] = -targets[g, t]
+            for i in range(r):
+                f = factors[g, i]
+                for t in range(d):
+                    resid[g, t] += f * basis[i, t]
+        grad = np.zeros((r, d))
         for i in range(r):
-            for t in range(basis.shape[1]):
-                s = 0.0
-                for g in range(g_rows):
-                    s += factors[g, i] * resid[g, t]
-                grad[i, t] = s
+            for g in range(g_rows):
+                f = factors[g, i]
+                for t in range(d):
+                    grad[i, t] += f * resid[g, t]
         num = 0.0
         denom = 0.0
+        along = np.empty(d)
         for g in range(g_rows):
-            for t in range(basis.shape[1]):
-                s = 0.0
-                for i in range(r):
-                    s += factors[g, i] * grad[i, t]
-                num += s * resid[g, t]
-                denom += s * s
+            along[:] = 0.0
+            for i in range(r):
+                f = factors[g, i]
+                for t in range(d):
+                    along[t] += f * grad[i, t]
+            for t in range(d):
+                num += along[t] * resid[g, t]
+                denom += along[t] * along[t]
         step = num / max(denom, _TINY) if denom > 0 else 0.0
         return basis - step * grad
 
@@ -124,24 +143,34 @@ if fused.available():
             kn = k[n:n + 1].astype(np.float64)                       # [1, d]
             bq = b_q[n].astype(np.float64)
             bk = b_k[n].astype(np.float64)
-            bq_gram = _rows_times_rows_t(bq, bq)
-            bk_gram = _rows_times_rows_t(bk, bk)
+            bq_gram = _gram(bq)
+            bk_gram = _gram(bk)
             qk = _rows_times_rows_t(qn, kn)[:, 0]                   # [G] exact q·k
             rhs_base = lam * _rows_times_rows_t(qn, bq) + res_rhs[n].astype(np.float64)   # [G, r]
             lhs_base = lam * bq_gram + res_lhs[n].astype(np.float64)
             bk_k = _rows_times_rows_t(bk, kn)                          # [r, 1]
             kh = _ridge_solve(bk_gram, bk_k)[:, 0].copy()
             qh = np.zeros((g_rows, r))
+            lhs = np.empty((r, r))
+            rhs_t = np.empty((r, g_rows))                              # [r, G]: the solve's right-hand sides
+            lhs_k = np.empty((r, r))
+            rhs_k = np.empty((r, 1))
             for _ in range(iters):
-                lhs = lhs_base + np.outer(kh, kh)
-                rhs = rhs_base + np.outer(qk, kh)                      # [G, r]
-                qh = _ridge_solve(lhs, rhs.T.copy()).T.copy()
-                lhs_k = lam * bk_gram
-                rhs_k = lam * bk_k
+                for i in range(r):
+                    for j in range(r):
+                        lhs[i, j] = lhs_base[i, j] + kh[i] * kh[j]
+                    for g in range(g_rows):
+                        rhs_t[i, g] = rhs_base[g, i] + qk[g] * kh[i]
+                qh = _ridge_solve(lhs, rhs_t).T.copy()
+                for i in range(r):
+                    rhs_k[i, 0] = lam * bk_k[i, 0]
+                    for j in range(r):
+                        lhs_k[i, j] = lam * bk_gram[i, j]
                 for g in range(g_rows):
-                    lhs_k += np.outer(qh[g], qh[g])
                     for i in range(r):
                         rhs_k[i, 0] += qk[g] * qh[g, i]
+                        for j in range(r):
+                            lhs_k[i, j] += qh[g, i] * qh[g, j]
                 kh = _ridge_solve(lhs_k, rhs_k)[:, 0].copy()
             q_hat[n] = qh
             k_hat[n] = kh
@@ -149,12 +178,14 @@ if fused.available():
                 b_q[n] = _line_search(bq, qh, qn).astype(np.float32)
                 b_k[n] = _line_search(bk, kh.reshape(1, r), kn).astype(np.float32)
 
-
 def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor,
                 resident_lhs: torch.Tensor, resident_rhs: torch.Tensor, lam: float, update_bases: bool,
-                iters: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                iters: int = 2, in_place: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q̂ [N, G, r]`` and ``k̂ [N, r]`` (float64) of one new token, and the bases after the
     line-search step (new float32 ``[N, r, d]`` tensors; the given ones when not ``update_bases``).
+    ``in_place``: contiguous float32 bases take the step in place and are returned (a decode step's
+    owner saves two copies per layer); other bases are copied as without it.
 
     CPU tensors: ``query [N, G, d]``, ``key [N, d]``, bases ``b_q``/``b_k`` ``[N, r, d]``;
     ``resident_lhs [N, r, r]`` = ``AᵀA`` and ``resident_rhs [N, G, r]`` = ``(q·Kᵀ)A`` over the
@@ -163,12 +194,20 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: 
     r = b_q.shape[1]
     q_hat = np.empty((n, g, r))
     k_hat = np.empty((n, r))
-    new_b_q, new_b_k = (b.detach().float().clone(memory_format=torch.contiguous_format) for b in (b_q, b_k))
+    new_b_q, new_b_k = (b if in_place and _is_kernel_basis(b) else _basis_copy(b) for b in (b_q, b_k))
     _decode_step(_array(query), _array(key), new_b_q.numpy(), new_b_k.numpy(), _array(resident_lhs),
                  _array(resident_rhs), float(lam), int(iters), bool(update_bases), q_hat, k_hat)
     if not update_bases:
         new_b_q, new_b_k = b_q, b_k
     return torch.from_numpy(q_hat), torch.from_numpy(k_hat), new_b_q, new_b_k
+
+
+def _is_kernel_basis(b: torch.Tensor) -> bool:
+    return b.dtype == torch.float32 and b.is_contiguous() and not b.requires_grad
+
+
+def _basis_copy(b: torch.Tensor) -> torch.Tensor:
+    return b.detach().float().clone(memory_format=torch.contiguous_format)
 
 
 def _array(x: torch.Tensor) -> np.ndarray:

@@ -378,8 +378,9 @@ class LRQKLayer(CacheLayer):
         if lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu:
             if lhs is None:
                 lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
+            # in place: the layer owns its bases (copies of a cache are deep copies)
             q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.decode_step(q, k, self.b_q, self.b_k, lhs, rhs,
-                                                                         self.lam, self.update_bases)
+                                                                         self.lam, self.update_bases, in_place=True)
         else:
             q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam,
                                                     check_errors=not gpu)
