@@ -48,8 +48,9 @@ def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: fl
                      ) -> list[Partial]:
     """The attention of ``query [B, H_q, q, d]`` over every block's salient tokens ``held``, which it sees
     all of (no padding, no future), read in ``dtype``. On the GPU path 8-bit codes are read by one kernel
-    for all the blocks, decoded in registers (no decoded copy, and ~7 launches per block fewer); otherwise
-    one exact partial per block over `SalientTokens.key_values`."""
+    launch for up to 8 blocks, decoded in registers (no decoded copy in memory, and none of the ~14 torch
+    launches per block of decoding its keys and values); otherwise one exact partial per block over
+    `SalientTokens.key_values`."""
     coded = [tokens for tokens in held if isinstance(tokens.keys, GroupCode)]
     if coded and gpu_path(query):
         from kvshrink.kernels.exact_attention import int8_attention
