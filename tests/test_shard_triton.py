@@ -17,11 +17,14 @@ from kvshrink.cache.attention import group_queries, merge_partials  # noqa: E402
 from kvshrink.cache.rowwise import row_context  # noqa: E402
 from kvshrink.codecs import fused  # noqa: E402
 from kvshrink.codecs.bitpack import unpack_bits  # noqa: E402
+from kvshrink.codecs.groupwise import GroupCode, quantize_groups  # noqa: E402
 from kvshrink.codecs.rope import pair_order  # noqa: E402
 from kvshrink.codecs.table_decoder import scaled_bases  # noqa: E402
 from kvshrink.kernels import backend  # noqa: E402
 from kvshrink.kernels.backend import force_gpu_path  # noqa: E402
+from kvshrink.kernels.counting import OpCounter  # noqa: E402
 from kvshrink.methods.shard import layer as shard_layer  # noqa: E402
+from kvshrink.methods.shard.salient import SalientTokens, salient_partials  # noqa: E402
 from kvshrink.methods.shard.segments import stacked_codes  # noqa: E402
 
 if not backend.triton_available():  # pragma: no cover - depends on the environment
@@ -370,6 +373,65 @@ def test_the_layers_stream_partial_on_the_gpu_path(opts):
     with force_gpu_path():
         got = layer.stream_partial(q, cache._ctx.scaling)
     torch.testing.assert_close(got.out, want.out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
+
+
+# ---- int8 salient tokens: `int8_attention` against the CPU path's `salient_partials` ------------------------
+def salient_blocks(counts, batch=2, kv_heads=2, head_dim=64, seed=0):
+    """`SalientTokens` of one block per count: 8-bit codes of random keys and values (count 0: an empty set)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def code(m):
+        x = (torch.randn(batch, kv_heads, max(m, 1), head_dim, generator=g) * 2).half()
+        whole = quantize_groups(x, 8, head_dim)
+        return GroupCode(whole.codes[:, :, :m], whole.scale[:, :, :m], whole.zero[:, :, :m], 8, head_dim)
+
+    return [SalientTokens(torch.zeros(batch, kv_heads, m, dtype=torch.int32), code(m), code(m)) for m in counts]
+
+
+def merged_salient(query, blocks, dtype, forced):
+    with force_gpu_path(forced):
+        return merge_partials(salient_partials(query, blocks, 0.125, dtype))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_dtype,kv_dtype,atol", [(torch.float32, torch.float32, 1e-5),
+                                                   (torch.float32, torch.float16, 1e-5),
+                                                   (torch.bfloat16, torch.bfloat16, 1e-5),
+                                                   (torch.float16, torch.float16, 1e-3)])
+def test_int8_kernel_equals_the_cpu_salient_partials(head_dim, q_dtype, kv_dtype, atol):
+    """One launch attends every block's 8-bit salient rows (GQA 4, 3 queries, several blocks, one longer than
+    a key tile, one empty: it contributes nothing) as the CPU path does over the decoded rows in the exact dtype: to
+    the CPU's own rounding (16-bit queries: its flash kernel computes in them), and tightly against that
+    attention in float64 (fp16: the kernel multiplies fp16 tiles, as the exact kernel does)."""
+    blocks = salient_blocks((3, 70, 0, 17), head_dim=head_dim)
+    query = (torch.randn(2, 8, 3, head_dim, generator=torch.Generator().manual_seed(1)) * 2).to(q_dtype)
+    with OpCounter() as counter, force_gpu_path():
+        parts = salient_partials(query, blocks, 0.125, kv_dtype)
+    assert counter.launches == 1 and counter.kernels == {"int8_attention": 1} and counter.syncs == 0, counter.launch_ops
+    got = merge_partials(parts)
+    blocks = [block for block in blocks if block.index.shape[-1]]  # the CPU's flash kernel fails on no keys
+    cpu = merged_salient(query, blocks, kv_dtype, forced=False)
+    loose = 1e-4 if q_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.out, cpu.out, atol=loose, rtol=loose)
+    torch.testing.assert_close(got.lse, cpu.lse, atol=loose, rtol=loose)
+    exact = merged_salient(query.double(), [SalientTokens(b.index, *b.key_values(kv_dtype)) for b in blocks],
+                           torch.float64, forced=False)
+    torch.testing.assert_close(got.out, exact.out.float(), atol=atol, rtol=atol)
+    torch.testing.assert_close(got.lse, exact.lse.float(), atol=atol, rtol=atol)
+
+
+def test_int8_kernel_takes_eight_blocks_a_launch_and_leaves_exact_rows_to_the_exact_kernel():
+    blocks = salient_blocks((5,) * 9 + (4,), seed=2)
+    held = SalientTokens(blocks[-1].index, *blocks[-1].key_values(torch.float32))  # salient_dtype="exact"
+    query = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(3))
+    with OpCounter() as counter, force_gpu_path():
+        parts = salient_partials(query, blocks[:-1] + [held], 0.125, torch.float32)
+    assert counter.launches == 3 and counter.kernels == {"int8_attention": 2, "exact_attention": 1}, counter.launch_ops
+    assert counter.syncs == 0
+    got = merge_partials(parts)
+    want = merged_salient(query, blocks, torch.float32, forced=False)
+    torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
 
 

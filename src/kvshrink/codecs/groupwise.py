@@ -80,4 +80,4 @@ def dequantize_groups(code: GroupCode, dtype: torch.dtype = torch.float32) -> to
     """The tensor ``[..., n]`` a :class:`GroupCode` stands for."""
     q = unpack_bits(code.codes, code.bits, code.group_size).to(dtype)
     x = q * code.scale.to(dtype).unsqueeze(-1) + code.zero.to(dtype).unsqueeze(-1)
-    return x.reshape(*x.shape[:-2], -1)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])  # not -1: a set of no vectors is valid

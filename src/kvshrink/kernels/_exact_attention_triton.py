@@ -26,6 +26,41 @@ _SUM = getattr(tl.standard, "_sum_combine", _add_combine)
 
 
 @triton.jit
+def _tile_scores(q, k, scaling, COMPUTE_FP32: tl.constexpr):
+    """``[M, N]`` scaled scores of queries ``q [M, D]`` against keys ``k [D, N]`` (fp32 accumulation)."""
+    if COMPUTE_FP32:
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k.to(q.dtype))
+    return s * scaling
+
+
+@triton.jit
+def _online_softmax_tile(s, v, m_i, l_i, acc, COMPUTE_FP32: tl.constexpr):
+    """The running row maximum ``m_i``, sum ``l_i`` and output ``acc`` after one tile of masked scores
+    ``s [M, N]`` (``-inf`` where invisible) and its values ``v [N, D]`` (flash attention)."""
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+    if COMPUTE_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _normalised(acc, l_i, m_i):
+    """``(out, lse)`` of the rows; a row that saw no key gets ``out = 0`` and ``lse = -inf``."""
+    seen_any = l_i > 0.0
+    out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _exact_attention_kernel(
     Q, K, V, O, L, KIDX, PAD, QIDX,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -76,11 +111,7 @@ def _exact_attention_kernel(
         k = tl.load(k_ptrs, mask=col_ok[None, :] & dim_ok[:, None], other=0.0)  # [D, N]
         v_ptrs = V + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn + dims[None, :] * stride_vd
         v = tl.load(v_ptrs, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [N, D]
-        if COMPUTE_FP32:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k.to(q.dtype))
-        s = s * scaling
+        s = _tile_scores(q, k, scaling, COMPUTE_FP32)
         visible = row_ok[:, None] & col_ok[None, :]
         if HAS_KIDX or HAS_PAD or HAS_QIDX:
             if HAS_KIDX:
@@ -96,27 +127,86 @@ def _exact_attention_kernel(
                 visible = visible & (causal | own)
             else:
                 visible = visible & seen[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        if COMPUTE_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc, COMPUTE_FP32)
 
-    seen_any = l_i > 0.0
-    out = tl.where(seen_any[:, None], acc / tl.where(seen_any, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    out, lse = _normalised(acc, l_i, m_i)
     o_ptrs = (O + b * stride_ob + q_head[:, None] * stride_oh + pid_s * stride_os
               + (rows % q_len)[:, None] * stride_om + dims[None, :] * stride_od)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     l_ptrs = L + b * stride_lb + q_head * stride_lh + pid_s * stride_ls + (rows % q_len) * stride_lm
     tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _dequantized_tile(CODES, STEP, ZERO, vec, vec_ok, dims, dim_ok, head_dim, KV_DTYPE: tl.constexpr):
+    """``[N, D]``: the token vectors ``vec`` of an 8-bit code (``codes * step + zero`` in fp32, rounded to
+    ``KV_DTYPE`` as ``SalientTokens.key_values`` rounds them); rows past the end are 0."""
+    ok = vec_ok[:, None] & dim_ok[None, :]
+    codes = tl.load(CODES + vec[:, None] * head_dim + dims[None, :], mask=ok, other=0).to(tl.float32)
+    step = tl.load(STEP + vec, mask=vec_ok, other=0.0).to(tl.float32)
+    zero = tl.load(ZERO + vec, mask=vec_ok, other=0.0).to(tl.float32)
+    return _rounded(codes * step[:, None] + zero[:, None], KV_DTYPE)
+
+
+@triton.jit
+def _rounded(x, KV_DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to ``KV_DTYPE`` to nearest, ties to even, as torch rounds: bfloat16 by hand, since
+    Triton's interpreter truncates to it (finite ``x``: decoded codes)."""
+    if KV_DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(KV_DTYPE)
+
+
+@triton.jit
+def _int8_attention_kernel(
+    Q, K_CODES, K_STEP, K_ZERO, V_CODES, V_STEP, V_ZERO, COUNTS, O, L,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    n_kv_heads, groups, n_rows, q_len, head_dim, scaling,
+    NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    COMPUTE_FP32: tl.constexpr, KV_DTYPE: tl.constexpr,
+):
+    """Attention of the grouped queries of one KV head over ``NUM`` sets of token vectors held as 8-bit
+    codes (tuples: ``K_CODES[i]`` ``[B, H_kv, COUNTS[i], d]`` uint8 contiguous, ``K_STEP[i]``/``K_ZERO[i]``
+    ``[B, H_kv, COUNTS[i]]`` fp16, the same for values), decoded in registers: no decoded copy in memory.
+    Every key is visible (middle tokens: never padding, never in the future). ``O [B, H_q, q, d]`` and
+    ``L [B, H_q, q]`` float32, contiguous."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    h = pid_bh % n_kv_heads
+    b = pid_bh // n_kv_heads
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    dim_ok = dims < head_dim
+    q_head = h * groups + rows // q_len
+    q_ptrs = (Q + b * stride_qb + q_head[:, None] * stride_qh + (rows % q_len)[:, None] * stride_qm
+              + dims[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = q.to(tl.float32) if COMPUTE_FP32 else q.to(KV_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    for i in tl.static_range(NUM):
+        count = COUNTS[i]
+        first = pid_bh.to(tl.int64) * count  # this head's first vector in the [B, H_kv, count] layout
+        for start in range(0, count, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < count
+            vec = first + cols
+            k = _dequantized_tile(K_CODES[i], K_STEP[i], K_ZERO[i], vec, col_ok, dims, dim_ok, head_dim, KV_DTYPE)
+            v = _dequantized_tile(V_CODES[i], V_STEP[i], V_ZERO[i], vec, col_ok, dims, dim_ok, head_dim, KV_DTYPE)
+            s = _tile_scores(q, tl.trans(k), scaling, COMPUTE_FP32)
+            s = tl.where(row_ok[:, None] & col_ok[None, :], s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_tile(s, v, m_i, l_i, acc, COMPUTE_FP32)
+
+    out, lse = _normalised(acc, l_i, m_i)
+    flat = (b * n_kv_heads * groups + q_head) * q_len + rows % q_len   # (b, query head, query) row of O
+    tl.store(O + flat[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(L + flat, lse, mask=row_ok)
 
 
 @triton.jit

@@ -23,13 +23,19 @@ No host synchronisation: every size is a host-known shape, every mask is compute
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
+from kvshrink.codecs.groupwise import GroupCode
 from kvshrink.kernels import counting
 from kvshrink.kernels.backend import interpreting, triton
 
-__all__ = ["exact_attention", "merge_attention"]
+__all__ = ["exact_attention", "int8_attention", "merge_attention"]
+
+# Code sets attended by one launch of the int8 kernel (compiled per count: a longer context adds launches,
+# not compilations).
+_INT8_MOST = 8
 
 # Partials merged by one launch (a kernel is compiled per count; more are merged in rounds).
 _MERGE_MOST = 8
@@ -41,9 +47,9 @@ _BLOCK_N = 64
 def _kernel():
     triton()  # imports Triton (in its interpreter without a GPU) or raises ImportError naming the extra
     from kvshrink.kernels._exact_attention_triton import (_combine_splits_kernel, _exact_attention_kernel,
-                                                          _merge_partials_kernel)
+                                                          _int8_attention_kernel, _merge_partials_kernel)
 
-    return _exact_attention_kernel, _combine_splits_kernel, _merge_partials_kernel
+    return _exact_attention_kernel, _combine_splits_kernel, _merge_partials_kernel, _int8_attention_kernel
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -65,6 +71,21 @@ def _splits(n: int, programs: int, device: torch.device) -> int:
     return min(most, want, 64)
 
 
+def _compute_fp32(*dtypes: torch.dtype) -> bool:
+    """Whether the tiles are multiplied in fp32: when any input is fp32 (exact, no tf32); Triton's
+    interpreter cannot tl.dot bfloat16 (it holds them as uint16), so there bf16 tiles are widened first."""
+    return torch.float32 in dtypes or (interpreting() and torch.bfloat16 in dtypes)
+
+
+def _tiles(rows: int, d: int, compute_fp32: bool) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_D)`` for ``rows`` grouped query rows of ``d`` channels."""
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_d = max(16, 1 << (d - 1).bit_length())
+    # fp32 tiles of 64 keys x 128 dims need ~140 KB of shared memory: halve the key block there
+    block_n = 32 if compute_fp32 and block_d >= 128 else _BLOCK_N
+    return block_m, block_n, block_d
+
+
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                     key_index: torch.Tensor | None = None, query_index: torch.Tensor | None = None,
                     pad_len: torch.Tensor | None = None, key_start: int = 0,
@@ -83,15 +104,9 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if key.shape[0] != b and key.shape[0] == 1:
         key, value = key.expand(b, -1, -1, -1), value.expand(b, -1, -1, -1)
     rows = (hq // hkv) * q
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    block_d = max(16, 1 << (d - 1).bit_length())
+    compute_fp32 = _compute_fp32(query.dtype, key.dtype, value.dtype)
+    block_m, block_n, block_d = _tiles(rows, d, compute_fp32)
     grid_m = -(-rows // block_m)
-    # fp32 scores when any input is fp32 (exact, no tf32); Triton's interpreter cannot tl.dot bfloat16
-    # (it holds them as uint16), so there bf16 tiles are widened to fp32 first
-    compute_fp32 = torch.float32 in (query.dtype, key.dtype, value.dtype) or (
-        interpreting() and torch.bfloat16 in (query.dtype, key.dtype, value.dtype))
-    # fp32 tiles of 64 keys x 128 dims need ~140 KB of shared memory: halve the key block there
-    block_n = 32 if compute_fp32 and block_d >= 128 else _BLOCK_N
     splits = num_splits or _splits(n, b * hkv * grid_m, query.device)
     splits = max(1, min(splits, max(1, -(-n // block_n))))
     per_split = -(-max(n, 1) // splits)
@@ -159,4 +174,57 @@ def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor], out_dtyp
         _kernel()[2][(max(1, -(-rows // block_r)),)](
             tuple(o.float().contiguous() for o in outs), tuple(x.float().contiguous() for x in lses), out, lse,
             rows, d, NUM=len(outs), BLOCK_R=block_r, BLOCK_D=max(16, 1 << (d - 1).bit_length()))
+    return out, lse
+
+
+def _vector_code(code: GroupCode, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes [B, H_kv, m, d] uint8, step, zero [B, H_kv, m] fp16)``, contiguous, of 8-bit codes with one
+    group per token vector (what the int8 kernel reads)."""
+    if code.bits != 8 or code.group_size != d or code.codes.shape[-2] != 1:
+        raise ValueError(f"the int8 kernel reads 8-bit codes in groups of {d} (one per token vector), got "
+                         f"{code.bits} bits in groups of {code.group_size}")
+    return code.codes.squeeze(-2).contiguous(), code.scale.squeeze(-1).contiguous(), code.zero.squeeze(-1).contiguous()
+
+
+def _tl_dtype(dtype: torch.dtype):
+    tl = triton().language
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def int8_attention(query: torch.Tensor, keys: Sequence[GroupCode], values: Sequence[GroupCode], scaling: float,
+                   dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Partials ``(out [B, H_q, q, d] float32, lse [B, H_q, q] float32)`` of ``query [B, H_q, q, d]`` over
+    the token vectors of every ``keys[i]``/``values[i]`` (8-bit `GroupCode`s of ``[B, H_kv, m_i, d]``, one
+    group per vector; the ``m_i`` may differ), every key visible: one launch per `_INT8_MOST` code sets.
+    The codes are decoded in registers and rounded to ``dtype``, as ``exact_partial`` over
+    ``dequantize_groups(code).to(dtype)`` would see them; scores and output accumulate in fp32."""
+    parts = []
+    for first in range(0, len(keys), _INT8_MOST):
+        parts.append(_int8_attention_launch(query, keys[first:first + _INT8_MOST],
+                                            values[first:first + _INT8_MOST], scaling, dtype))
+    return parts
+
+
+def _int8_attention_launch(query: torch.Tensor, keys: Sequence[GroupCode], values: Sequence[GroupCode],
+                           scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hq, q, d = query.shape
+    hkv = keys[0].codes.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    k_sets = [_vector_code(code, d) for code in keys]
+    v_sets = [_vector_code(code, d) for code in values]
+    rows = (hq // hkv) * q
+    compute_fp32 = _compute_fp32(query.dtype, dtype)
+    block_m, block_n, block_d = _tiles(rows, d, compute_fp32)
+    out = torch.empty(b, hq, q, d, device=query.device, dtype=torch.float32)
+    lse = torch.empty(b, hq, q, device=query.device, dtype=torch.float32)
+    with counting.kernel_launch("int8_attention"):
+        _kernel()[3][(b * hkv, -(-rows // block_m))](
+            query, *(tuple(code[part] for code in k_sets) for part in range(3)),
+            *(tuple(code[part] for code in v_sets) for part in range(3)),
+            tuple(code[0].shape[2] for code in k_sets), out, lse, *query.stride(),
+            hkv, hq // hkv, rows, q, d, float(scaling),
+            NUM=len(k_sets), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, COMPUTE_FP32=compute_fp32,
+            KV_DTYPE=_tl_dtype(dtype),
+        )
     return out, lse

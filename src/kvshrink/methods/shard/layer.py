@@ -19,7 +19,7 @@ from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, scaled_bases, 
 from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
-from kvshrink.methods.shard.salient import observed_importance, pick_salient, tokens_to_keep
+from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
 from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stack_scopes, stacked_codes
 from kvshrink.methods.shard.shared import ShardShared
 
@@ -158,8 +158,8 @@ class ShardLayer(CacheLayer):
         parts = [part for part in (ring.partial(query, ctx.scaling),) if part is not None]
         if not inside:
             parts.append(self._chunk_partial(query, key, value, ctx))
-        parts += [exact_partial(query, *block.salient.key_values(ring.dtype), ctx.scaling)
-                  for block in self.middle if block.salient is not None]
+        parts += salient_partials(query, [block.salient for block in self.middle if block.salient is not None],
+                                  ctx.scaling, ring.dtype)
         out = merge_partials(parts + self.code_partials(query, ctx), query.dtype).out
         self.decoding = True
         self.ring_commit(ring, None if inside else (key, value))

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.store import to_storage
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
+from kvshrink.kernels.backend import gpu_path
 
 # How salient tokens are held: in the exact dtype, or as 8-bit codes with one fp16 step and zero point per
 # token vector (68 bytes per 64-channel vector instead of 128: about twice the tokens for the same bytes).
@@ -40,6 +42,25 @@ class SalientTokens:
     def tensors(self) -> list[torch.Tensor]:
         return [self.index] + [t for x in (self.keys, self.values)
                                for t in ([x] if isinstance(x, torch.Tensor) else x.tensors())]
+
+
+def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: float, dtype: torch.dtype
+                     ) -> list[Partial]:
+    """The attention of ``query [B, H_q, q, d]`` over every block's salient tokens ``held``, which it sees
+    all of (no padding, no future), read in ``dtype``. On the GPU path 8-bit codes are read by one kernel
+    launch for up to 8 blocks, decoded in registers (no decoded copy in memory, and none of the ~14 torch
+    launches per block of decoding its keys and values); otherwise one exact partial per block over
+    `SalientTokens.key_values`."""
+    coded = [tokens for tokens in held if isinstance(tokens.keys, GroupCode)]
+    if coded and gpu_path(query):
+        from kvshrink.kernels.exact_attention import int8_attention
+
+        parts = [Partial(out, lse) for out, lse in int8_attention(
+            query, [t.keys for t in coded], [t.values for t in coded], scaling, dtype)]
+        held = [tokens for tokens in held if not isinstance(tokens.keys, GroupCode)]
+    else:
+        parts = []
+    return parts + [exact_partial(query, *tokens.key_values(dtype), scaling) for tokens in held]
 
 
 # Observation queries scored at once (bounds the score block to rows x tokens, not all queries x tokens).
