@@ -133,7 +133,7 @@ def test_triton_path_with_padding_batch_rows_stream_and_several_blocks():
     assert [len(row.middle) for row in rows] == [2, 2] and [row.stream.n for row in rows] == [3, 3]
     assert assert_triton_equals_reference(cache, batch=2, q_lens=(1, 5)) == 8
     # the device plans the GPU path built are counted with the cache's bytes
-    plans = sum(block.derived.gpu.nbytes() for row in rows for block in row.middle)
+    plans = sum(block.derived.device_nbytes() for row in rows for block in row.middle)
     assert rows[0].breakdown()["middle_device_plans"] + rows[1].breakdown()["middle_device_plans"] == plans > 0
 
 
