@@ -44,7 +44,7 @@ class ShardConfig:
     stream_bits: int = option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS)
     qjl: bool = option(False, "add a 1-bit QJL residual sketch to the decode stream")
     seed: int = option(0, "seed of the rotations and codebooks")
-    exact_dtype: str = option("auto", "dtype of exact tokens (sinks, window, salient): 'auto' (the model's dtype "
+    exact_dtype: str = option("auto", "dtype of exact tokens (sinks, window; salient ones when salient_dtype='exact'): 'auto' (the model's dtype "
                               "if 16-bit, else float16), 'model', or float16/bfloat16/float32 (float16 refuses "
                               "values beyond its range)", choices=EXACT_DTYPE_CHOICES)
     min_block: int = option(64, "fewest prompt tokens compressed by PCA/VQ at once (fewer go to the stream)", low=2)

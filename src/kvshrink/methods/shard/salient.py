@@ -28,10 +28,16 @@ class SalientTokens:
     keys: torch.Tensor | GroupCode
     values: torch.Tensor | GroupCode
 
+    @property
+    def coded(self) -> bool:
+        """Whether the keys and values are held as 8-bit codes (else as tensors in the exact dtype)."""
+        return isinstance(self.keys, GroupCode)
+
     def key_values(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H_kv, m, d]`` in ``dtype``: the stored tensors, or the 8-bit codes decoded."""
-        return tuple((x if isinstance(x, torch.Tensor) else dequantize_groups(x, torch.float32)).to(dtype)
-                     for x in (self.keys, self.values))
+        if self.coded:
+            return tuple(dequantize_groups(x, torch.float32).to(dtype) for x in (self.keys, self.values))
+        return self.keys.to(dtype), self.values.to(dtype)
 
     def hidden(self, n: int) -> torch.Tensor:
         """``[B, H_kv, 1, n]`` bool: True at the block rows held here (the codes' copies are not attended)."""
@@ -40,8 +46,9 @@ class SalientTokens:
         return mask.scatter_(2, self.index.long(), True).unsqueeze(2)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.index] + [t for x in (self.keys, self.values)
-                               for t in ([x] if isinstance(x, torch.Tensor) else x.tensors())]
+        if self.coded:
+            return [self.index, *self.keys.tensors(), *self.values.tensors()]
+        return [self.index, self.keys, self.values]
 
 
 def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: float, dtype: torch.dtype
@@ -51,13 +58,13 @@ def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: fl
     launch for up to 8 blocks, decoded in registers (no decoded copy in memory, and none of the ~14 torch
     launches per block of decoding its keys and values); otherwise one exact partial per block over
     `SalientTokens.key_values`."""
-    coded = [tokens for tokens in held if isinstance(tokens.keys, GroupCode)]
+    coded = [tokens for tokens in held if tokens.coded]
     if coded and gpu_path(query):
         from kvshrink.kernels.exact_attention import int8_attention
 
         parts = [Partial(out, lse) for out, lse in int8_attention(
             query, [t.keys for t in coded], [t.values for t in coded], scaling, dtype)]
-        held = [tokens for tokens in held if not isinstance(tokens.keys, GroupCode)]
+        held = [tokens for tokens in held if not tokens.coded]
     else:
         parts = []
     return parts + [exact_partial(query, *tokens.key_values(dtype), scaling) for tokens in held]
