@@ -8,6 +8,7 @@ from kvshrink.cache.rowwise import row_context
 from kvshrink.codecs import fused
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.table_decoder import slot_plan
+from kvshrink.methods.shard.segments import stacked_codes
 
 from test_shard import prefill, tiny_llama
 
@@ -95,46 +96,41 @@ def test_fast_and_reference_caches_decode_the_same_tokens():
     torch.testing.assert_close(logits["fast"], logits["reference"], atol=1e-4, rtol=1e-4)
 
 
-def test_slot_plan_decodes_every_run_layout():
-    """Rows summed from the plan's tables == the codes' own decode, with byte slots and nibble slots."""
+def test_the_coefficient_decoder_reads_every_run_layout():
+    """The fast path's coefficients (one byte-table lookup per byte of byte-aligned runs, shifts across
+    bytes for the 6-bit ones, zeros past a scope's rank) == the codes' own levels, and the keys built from
+    them == the codes' decode: 8-, 6-, 4- and 2-bit runs, both level kinds, two scopes of other ranks."""
+    from kvshrink.codecs.table_decoder import scaled_bases
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 50, 12, generator=g) * torch.linspace(3, 0.1, 12)
     fit = fit_pca(x.reshape(-1, 12), 12)
-    code = encode_pca(x, fit, [8, 6, 6, 4, 4, 4, 2, 2, 2, 0, 0, 0], levels="lloyd")
-    want = code.decode()
-    for slot_bits in (8, 4):
-        got = _decode_with_plan(code, slot_bits)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for levels in ("lloyd", "uniform"):
+        codes = [encode_pca(x, fit, [8, 6, 6, 4, 4, 4, 2, 2, 2, 0, 0, 0], levels=levels),
+                 encode_pca(x, fit, [6, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 0], levels=levels)]
+        plan = slot_plan(codes)
+        stacked = stacked_codes(codes)                                       # [B, S, n, bytes]
+        rank = max(c.rank for c in codes)
+        coef = torch.empty(len(codes), 2, 45, rank)
+        fused._coefficients(stacked.numpy(), plan.runs, plan.run_counts, fused.byte_levels(levels), 5, coef.numpy())
+        scaled, mean = scaled_bases(codes)
+        for s, code in enumerate(codes):
+            want = torch.cat([code.run_levels(run, 5, 50, torch.float32) for run in code.runs], dim=-1)
+            torch.testing.assert_close(coef[s, :, :, :code.rank], want, rtol=0, atol=0)
+            assert not coef[s, :, :, code.rank:].any()
+            keys = mean[s] + coef[s] @ scaled[s]
+            torch.testing.assert_close(keys, code.decode()[:, 5:], atol=1e-5, rtol=1e-5)
 
 
-def _decode_with_plan(code: PCACode, slot_bits: int) -> torch.Tensor:
-    """Rows of ``code`` through `fused._fill_tables` and the plan's slots, in plain Python."""
-    import numpy as np
-
-    from kvshrink.codecs.table_decoder import scaled_bases
-
-    plan = slot_plan([code], slot_bits=slot_bits)
-    scaled, mean = scaled_bases([code])
-    tables = np.empty((plan.rows, mean.shape[-1]), np.float32)
-    fused._fill_tables(tables, scaled.numpy(), plan.levels, plan.jobs)
-    byte, shift, bits, row, count = plan.slots
-    codes = code.codes.numpy().astype(np.int64)
-    out = np.tile(mean.numpy()[0], (*codes.shape[:-1], 1))
-    for k in range(count[0]):
-        word = codes[..., byte[0, k]] | (codes[..., min(byte[0, k] + 1, codes.shape[-1] - 1)] << 8)
-        out += tables[row[0, k] + ((word >> shift[0, k]) & ((1 << bits[0, k]) - 1))]
-    return torch.from_numpy(out)
-
-
-def test_kernel_option_is_validated_and_a_missing_numba_names_the_extra(monkeypatch):
+def test_kernel_option_is_validated_and_without_numba_the_torch_ops_decode(monkeypatch):
     model = tiny_llama()
     with pytest.raises(ValueError, match="kernel"):
         kvshrink.make_cache("shard", model, kernel="gpu")
     q = torch.zeros(1, 4, 1, 16)
-    assert not kvshrink.make_cache("shard", model).layers[0].use_fast_kernel(q)  # reference by default
+    assert kvshrink.make_cache("shard", model).layers[0].use_fast_kernel(q)  # fast by default
+    assert not kvshrink.make_cache("shard", model, kernel="reference").layers[0].use_fast_kernel(q)
     monkeypatch.setattr(fused, "numba", None)
-    with pytest.raises(ImportError, match=r"kernel='fast' needs numba.*kvshrink\[fast\]"):
-        kvshrink.make_cache("shard", model, sinks=4, window=16, kernel="fast")
+    assert not kvshrink.make_cache("shard", model, sinks=4, window=16).layers[0].use_fast_kernel(q)
 
 
 def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):

@@ -1,15 +1,18 @@
 """Fused CPU kernels (numba) for attention computed on packed codes, with a clear fallback.
 
-`code_attention` is one block of Shard's compressed middle answered in two passes over its packed
-codes, without materialising the block's keys or values:
+`code_attention` answers one block of Shard's compressed middle without materialising the block's keys
+or values, a slice of tokens at a time:
 
-1. per token: its pre-RoPE key is summed from lookup-table rows chosen by its packed key codes
-   (`codecs.table_decoder.SlotPlan`: one row per byte of byte-aligned runs, one per code of the others, the
-   mean as the start), rotated by RoPE (channels in pair order: one complex product per pair), and
-   scored against the grouped queries;
-2. per KV head: the softmax of those scores (held rows masked), and its probabilities summed per
-   value codeword and channel group (the value VQ codes), so the caller finishes with one small
-   product by the codebook.
+1. per token: its PCA coefficients decoded from its packed key codes (one lookup per byte of a
+   byte-aligned run, from a table of the levels each byte value packs);
+2. the slice's pre-RoPE keys as one batched product of those coefficients with the scaled bases
+   (torch's BLAS: the multiply-adds run at the machine's vector width, which hand-written loops
+   over lookup tables did not reach, ``docs/results.md``), kept only for the slice;
+3. per token: RoPE (channels as two halves, real then imaginary parts: contiguous vector operations)
+   and the scores against the grouped queries;
+4. per KV head: the softmax of all the block's scores (held rows masked), and its probabilities
+   summed per value codeword and channel group (the value VQ codes), so the caller finishes with one
+   small product by the codebook.
 
 numba is optional: `available()` says whether it imported; callers keep their torch reference path
 and use it when it did not. The kernels run with ``torch.get_num_threads()`` threads (torch and the
@@ -19,6 +22,7 @@ per machine (``cache=True``; `warm_up` compiles them before anything is timed).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -39,8 +43,10 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 
 __all__ = ["available", "unavailable_reason", "code_attention", "warm_up"]
 
-# Tokens per parallel work item of the key pass (enough to amortise scheduling, small enough to share).
-_CHUNK = 64
+# Tokens per parallel work item of the per-token passes (enough to amortise scheduling, small enough to share).
+_CHUNK = 256
+# Tokens whose coefficients and keys are held at once (a few MB; 512..8192 measured within 10% at 8K).
+_SLICE = 4096
 # No fastmath "nnan"/"ninf": masked scores are -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -53,114 +59,170 @@ def unavailable_reason() -> str | None:
     return _IMPORT_ERROR
 
 
+@functools.lru_cache(maxsize=4)
+def byte_levels(kind: str) -> np.ndarray:
+    """float32 ``[8 * 256, 8]``: for each code width ``w`` (rows ``(w-1)*256 ..``) and byte value, the unit
+    levels of the codes it packs (code ``m`` of the byte in column ``m``) when ``w`` divides 8; for the
+    other widths, the level of code value ``v`` in row ``v``, column 0."""
+    from .scalar_levels import unit_levels
+
+    table = np.zeros((8 * 256, 8), np.float32)
+    values = np.arange(256)
+    for width in range(1, 9):
+        levels = unit_levels(width, kind).numpy()
+        rows = table[(width - 1) * 256: width * 256]
+        if 8 % width == 0:
+            for m in range(8 // width):
+                rows[:, m] = levels[(values >> (m * width)) & ((1 << width) - 1)]
+        else:
+            rows[: 1 << width, 0] = levels
+    return table
+
+
 if numba is not None:
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _decode_rows(codes, runs, n_runs, lut, first, last, out):  # pragma: no cover - compiled
+        # coefficients (unit levels) of tokens first..last-1 of one scope into out[0 .. last-first]
+        top = 0
+        for k in range(n_runs):
+            bits, a, m, at = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 3]
+            base = (bits - 1) * 256
+            top = max(top, a + m)
+            if bits == 2 and m % 4 == 0:
+                for t in range(first, last):
+                    for q in range(m // 4):
+                        v = base + codes[t, at + q]
+                        c = a + 4 * q
+                        out[t - first, c] = lut[v, 0]
+                        out[t - first, c + 1] = lut[v, 1]
+                        out[t - first, c + 2] = lut[v, 2]
+                        out[t - first, c + 3] = lut[v, 3]
+            elif bits == 4 and m % 2 == 0:
+                for t in range(first, last):
+                    for q in range(m // 2):
+                        v = base + codes[t, at + q]
+                        c = a + 2 * q
+                        out[t - first, c] = lut[v, 0]
+                        out[t - first, c + 1] = lut[v, 1]
+            elif 8 % bits == 0:
+                per = 8 // bits
+                for t in range(first, last):
+                    for i in range(m):
+                        out[t - first, a + i] = lut[base + codes[t, at + i // per], i % per]
+            else:  # codes straddle bytes
+                mask = (1 << bits) - 1
+                for t in range(first, last):
+                    for i in range(m):
+                        bit = i * bits
+                        byte, shift = at + (bit >> 3), bit & 7
+                        v = np.int32(codes[t, byte])
+                        if shift + bits > 8:
+                            v |= np.int32(codes[t, byte + 1]) << 8
+                        out[t - first, a + i] = lut[base + ((v >> shift) & mask), 0]
+        for t in range(first, last):
+            for j in range(top, out.shape[1]):
+                out[t - first, j] = 0.0
+
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-    def _key_scores(codes, slot_byte, slot_shift, slot_bits, slot_row, n_slots, tables, mean, cos, sin,
-                    query, scaling, heads_per_scope, scores):  # pragma: no cover - compiled
-        batch, n_scopes, n, n_bytes = codes.shape
-        width = tables.shape[1]
-        rows, head_dim = query.shape[2], query.shape[3]
-        half = head_dim // 2
-        chunks = (n + _CHUNK - 1) // _CHUNK
+    def _coefficients(codes, runs, n_runs, lut, first, coef):  # pragma: no cover - compiled
+        # codes [B, S, n, bytes] -> coef [S, B, m, r]: the unit levels of tokens first .. first+m-1
+        batch, n_scopes = codes.shape[0], codes.shape[1]
+        m = coef.shape[2]
+        chunks = (m + _CHUNK - 1) // _CHUNK
         for job in prange(batch * n_scopes * chunks):
             b = job // (n_scopes * chunks)
             s = (job // chunks) % n_scopes
-            first = (job % chunks) * _CHUNK
-            count = min(n, first + _CHUNK) - first
-            # slot-major over the chunk's tokens: one slot's table (256 rows) stays in cache for all of them
-            acc = np.empty((count, width), np.float32)
-            for i in range(count):
-                for w in range(width):
-                    acc[i, w] = mean[s, w]
-            for k in range(n_slots[s]):
-                at, shift, bits, base = slot_byte[s, k], slot_shift[s, k], slot_bits[s, k], slot_row[s, k]
-                for i in range(count):
-                    value = np.int32(codes[b, s, first + i, at])
-                    if bits != 8:
-                        if shift + bits > 8:
-                            value |= np.int32(codes[b, s, first + i, at + 1]) << 8
-                        value = (value >> shift) & ((1 << bits) - 1)
-                    row = base + value
-                    for w in range(width):
-                        acc[i, w] += tables[row, w]
-            for i in range(count):
-                t = first + i
-                for j in range(heads_per_scope):
-                    h = s * heads_per_scope + j
-                    o = j * head_dim
-                    for p in range(half):
-                        re, im = acc[i, o + 2 * p], acc[i, o + 2 * p + 1]
-                        c, si = cos[b, t, p], sin[b, t, p]
-                        acc[i, o + 2 * p] = re * c - im * si
-                        acc[i, o + 2 * p + 1] = re * si + im * c
-                    for r in range(rows):
-                        dot = np.float32(0.0)
-                        for e in range(head_dim):
-                            dot += query[b, h, r, e] * acc[i, o + e]
-                        scores[b, h, r, t] = dot * scaling
+            lo = first + (job % chunks) * _CHUNK
+            hi = min(first + m, lo + _CHUNK)
+            _decode_rows(codes[b, s], runs[s], n_runs[s], lut, lo, hi, coef[s, b, lo - first:])
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-    def _fill_tables(tables, scaled, levels, jobs):  # pragma: no cover - compiled
-        # Entry v of a job's table is sum_k levels[code_k(v)] * scaled[component + k]: built one code at
-        # a time (the table of k codes extended by the (k+1)-th), one add per entry and code.
-        width = tables.shape[1]
-        for j in prange(jobs.shape[0]):
-            scope, first, real, bits, per, row, at = jobs[j]
-            entries = 1 << bits
-            for v in range(entries):
-                for w in range(width):
-                    tables[row + v, w] = levels[at + v] * scaled[scope, first, w]
-            size = entries
-            for k in range(1, per):
-                weight = np.float32(1.0) if k < real else np.float32(0.0)  # past the run: zero rows
-                comp = first + k if k < real else first
-                for code in range(entries - 1, -1, -1):  # code 0 last: it updates the entries in place
-                    level = levels[at + code] * weight
-                    for lo in range(size):
-                        for w in range(width):
-                            tables[row + code * size + lo, w] = tables[row + lo, w] + level * scaled[scope, comp, w]
-                size *= entries
+    def _rope_scores(keys, cos, sin, query, scaling, heads_per_scope, first, scores):  # pragma: no cover
+        # keys [S, B, m, W] pre-RoPE (each head's channels as halves: real parts, then imaginary parts)
+        # of tokens first .. first+m-1 -> scores [B, H, R, n]
+        n_scopes, batch, m = keys.shape[0], keys.shape[1], keys.shape[2]
+        rows, head_dim = query.shape[2], query.shape[3]
+        half = head_dim // 2
+        chunks = (m + _CHUNK - 1) // _CHUNK
+        for job in prange(batch * n_scopes * chunks):
+            b = job // (n_scopes * chunks)
+            s = (job // chunks) % n_scopes
+            lo = (job % chunks) * _CHUNK
+            rotated = np.empty(head_dim, np.float32)
+            for i in range(lo, min(m, lo + _CHUNK)):
+                t = first + i
+                c, si = cos[b, t], sin[b, t]
+                for j in range(heads_per_scope):
+                    h = s * heads_per_scope + j
+                    key = keys[s, b, i, j * head_dim:(j + 1) * head_dim]
+                    for p in range(half):
+                        re, im = key[p], key[half + p]
+                        rotated[p] = re * c[p] - im * si[p]
+                        rotated[half + p] = re * si[p] + im * c[p]
+                    for r in range(rows):
+                        q = query[b, h, r]
+                        dot = np.float32(0.0)
+                        for e in range(head_dim):
+                            dot += q[e] * rotated[e]
+                        scores[b, h, r, t] = dot * scaling
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _softmax_rows(scores, lse):  # pragma: no cover - compiled
+        # scores [R, n] -> probabilities in place, lse [R]
+        for r in range(scores.shape[0]):
+            row = scores[r]
+            top = -np.inf
+            for t in range(row.shape[0]):
+                top = max(top, row[t])
+            if top == -np.inf:  # every token held exact elsewhere: this part contributes nothing
+                lse[r] = -np.inf
+                row[:] = 0.0
+                continue
+            total = np.float32(0.0)
+            for t in range(row.shape[0]):
+                e = np.exp(row[t] - top)
+                row[t] = e
+                total += e
+            lse[r] = top + np.log(total)
+            inv = np.float32(1.0) / total
+            for t in range(row.shape[0]):
+                row[t] *= inv
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _bin_rows(probs, v_codes, v_bits, n_groups, bins):  # pragma: no cover - compiled
+        # probs [R, n], v_codes [n, bytes] -> bins [groups * 2**v_bits, R] (rows last: one cache line)
+        rows, n = probs.shape
+        entries = 1 << v_bits
+        mask = entries - 1
+        p = np.empty(rows, np.float32)
+        for t in range(n):
+            for r in range(rows):
+                p[r] = probs[r, t]
+            for g in range(n_groups):
+                if v_bits == 8:
+                    code = np.int32(v_codes[t, g])
+                else:
+                    bit = g * v_bits
+                    at, shift = bit >> 3, bit & 7
+                    code = np.int32(v_codes[t, at])
+                    if shift + v_bits > 8:
+                        code |= np.int32(v_codes[t, at + 1]) << 8
+                    code = (code >> shift) & mask
+                col = g * entries + code
+                for r in range(rows):
+                    bins[col, r] += p[r]
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
     def _value_bins(scores, hidden, v_codes, v_bits, n_groups, bins, lse):  # pragma: no cover - compiled
+        # scores [B, H, R, n] -> probabilities; bins [B, H, groups * 2**v_bits, R], lse [B, H, R]
         batch, heads, rows, n = scores.shape
-        entries = 1 << v_bits
-        mask = entries - 1
         for job in prange(batch * heads):
             b, h = job // heads, job % heads
             for i in range(hidden.shape[2]):
                 for r in range(rows):
                     scores[b, h, r, hidden[b, h, i]] = -np.inf
-            for r in range(rows):
-                top = -np.inf
-                for t in range(n):
-                    top = max(top, scores[b, h, r, t])
-                if top == -np.inf:  # every token held exact elsewhere: this part contributes nothing
-                    lse[b, h, r] = -np.inf
-                    for t in range(n):
-                        scores[b, h, r, t] = 0.0
-                    continue
-                total = np.float32(0.0)
-                for t in range(n):
-                    e = np.exp(scores[b, h, r, t] - top)
-                    scores[b, h, r, t] = e
-                    total += e
-                lse[b, h, r] = top + np.log(total)
-                inv = np.float32(1.0) / total
-                for t in range(n):
-                    scores[b, h, r, t] *= inv
-            for t in range(n):
-                for g in range(n_groups):
-                    bit = g * v_bits
-                    at, shift = bit >> 3, bit & 7
-                    code = np.int32(v_codes[b, h, t, at])
-                    if v_bits != 8:
-                        if shift + v_bits > 8:
-                            code |= np.int32(v_codes[b, h, t, at + 1]) << 8
-                        code = (code >> shift) & mask
-                    col = g * entries + code
-                    for r in range(rows):
-                        bins[b, h, r, col] += scores[b, h, r, t]
+            _softmax_rows(scores[b, h], lse[b, h])
+            _bin_rows(scores[b, h], v_codes[b, h], v_bits, n_groups, bins[b, h])
 
 
 _thread_lock = threading.Lock()
@@ -170,36 +232,51 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
+def _half_split(head_dim: int) -> torch.Tensor:
+    """Channel order taking pair order (``re0, im0, re1, im1, ...``) to halves (``re0, re1, ..., im0, im1, ...``)."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
 def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
                    v_codes: torch.Tensor, v_bits: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped ``query [B, H_kv, R, d]`` (float32, channels in RoPE pair order) over one
     block of ``n`` coded tokens, on CPU tensors.
 
-    ``codes [B, S, n, bytes]`` uint8: the packed key codes of the ``S`` PCA scopes, decoded by ``plan``
-    (a `codecs.table_decoder.SlotPlan`) from tables filled from ``scaled [S, r, W]`` (the scaled bases) starting
-    at ``mean [S, W]`` (float32, columns in pair order, ``W = H_kv * d / S``);
-    ``cos, sin [B, n, d/2]``: the tokens' RoPE; ``hidden [B, H_kv, m]`` int32: rows not attended (or
-    None); ``v_codes [B, H_kv, n, bytes]``: ``n_groups`` value codes of ``v_bits`` bits per token.
+    ``codes [B, S, n, bytes]`` uint8: the packed key codes of the ``S`` PCA scopes, laid out as ``plan``
+    (a `codecs.table_decoder.SlotPlan`) says; a token's pre-RoPE key is ``mean[s] + levels @ scaled[s]``
+    (``scaled [S, r, W]`` the scaled bases, ``mean [S, W]``, float32, columns in pair order,
+    ``W = H_kv * d / S``); ``cos, sin [B, n, d/2]``: the tokens' RoPE; ``hidden [B, H_kv, m]`` int32:
+    rows not attended (or None); ``v_codes [B, H_kv, n, bytes]``: ``n_groups`` value codes of ``v_bits``
+    bits per token.
 
     Returns ``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])``: the softmax probabilities
     summed per value group and codeword, and the log-sum-exp of the scores."""
-    batch, heads, rows, _ = query.shape
-    n = codes.shape[2]
+    batch, heads, rows, d = query.shape
+    n_scopes, n = codes.shape[1], codes.shape[2]
+    heads_per_scope = heads // n_scopes
+    split = _half_split(d)
+    columns = torch.cat([j * d + split for j in range(heads_per_scope)])
+    basis = scaled[..., columns].contiguous()
+    start = mean[:, columns].unsqueeze(1).contiguous()
+    rank, width = basis.shape[1], basis.shape[2]
     scores = np.empty((batch, heads, rows, n), np.float32)
-    bins = np.zeros((batch, heads, rows, n_groups << v_bits), np.float32)
+    bins = np.zeros((batch, heads, n_groups << v_bits, rows), np.float32)
     lse = np.empty((batch, heads, rows), np.float32)
     held = np.zeros((batch, heads, 0), np.int32) if hidden is None else _numpy(hidden.to(torch.int32))
-    slot_byte, slot_shift, slot_bits, slot_row, n_slots = plan.slots
-    tables = np.empty((max(1, plan.rows), mean.shape[-1]), np.float32)
+    codes_np, lut = _numpy(codes), byte_levels(plan.level_kind)
+    q, c, s = _numpy(query[..., split]), _numpy(cos), _numpy(sin)
     with _thread_lock:  # numba's thread count is process-wide
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-        _fill_tables(tables, _numpy(scaled), plan.levels, plan.jobs)
-        _key_scores(_numpy(codes), slot_byte, slot_shift, slot_bits, slot_row, n_slots, tables,
-                    _numpy(mean), _numpy(cos), _numpy(sin), _numpy(query), np.float32(scaling),
-                    heads // codes.shape[1], scores)
+        for first in range(0, n, _SLICE):
+            m = min(_SLICE, n - first)
+            coef = torch.empty(n_scopes, batch, m, rank)
+            _coefficients(codes_np, plan.runs, plan.run_counts, lut, first, coef.numpy())
+            keys = torch.baddbmm(start, coef.view(n_scopes, batch * m, rank), basis)
+            _rope_scores(keys.view(n_scopes, batch, m, width).numpy(), c, s, q, np.float32(scaling),
+                         heads_per_scope, first, scores)
         _value_bins(scores, held, _numpy(v_codes), v_bits, n_groups, bins, lse)
-    return torch.from_numpy(bins), torch.from_numpy(lse)
+    return torch.from_numpy(bins).transpose(2, 3), torch.from_numpy(lse)
 
 
 def warm_up() -> None:

@@ -31,11 +31,9 @@ class ShardShared:
         for bits in PCA_BITS[1:]:
             unit_levels(bits, cfg.k_levels)
         self.num_layers = num_layers
-        self.fast = cfg.kernel == "fast"
+        # Without numba the fast path is the torch ops (the same answers, slower), as LRQK's kernel option.
+        self.fast = cfg.kernel == "fast" and fused.available()
         if self.fast:
-            if not fused.available():
-                raise ImportError(f"shard: kernel='fast' needs numba ({fused.unavailable_reason()}); install it "
-                                  "with: pip install 'kvshrink[fast]' (or use kernel='reference')")
             fused.warm_up()
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
