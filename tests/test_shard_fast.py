@@ -8,7 +8,6 @@ from kvshrink.cache.rowwise import row_context
 from kvshrink.codecs import fused
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.table_decoder import slot_plan
-from kvshrink.methods.shard.segments import stacked_codes
 
 from test_shard import prefill, tiny_llama
 
@@ -109,10 +108,11 @@ def test_the_coefficient_decoder_reads_every_run_layout():
         codes = [encode_pca(x, fit, [8, 6, 6, 4, 4, 4, 2, 2, 2, 0, 0, 0], levels=levels),
                  encode_pca(x, fit, [6, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 0], levels=levels)]
         plan = slot_plan(codes)
-        stacked = stacked_codes(codes)                                       # [B, S, n, bytes]
         rank = max(c.rank for c in codes)
         coef = torch.empty(len(codes), 2, 45, rank)
-        fused._coefficients(stacked.numpy(), plan.runs, plan.run_counts, fused.byte_levels(levels), 5, coef.numpy())
+        for s, code in enumerate(codes):
+            fused._coefficients(code.codes.numpy(), plan.runs[s], plan.run_counts[s], fused.byte_levels(levels), 5,
+                                coef[s].numpy())
         scaled, mean = scaled_bases(codes)
         for s, code in enumerate(codes):
             want = torch.cat([code.run_levels(run, 5, 50, torch.float32) for run in code.runs], dim=-1)

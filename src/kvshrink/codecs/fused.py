@@ -125,16 +125,14 @@ if numba is not None:
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
     def _coefficients(codes, runs, n_runs, lut, first, coef):  # pragma: no cover - compiled
-        # codes [B, S, n, bytes] -> coef [S, B, m, r]: the unit levels of tokens first .. first+m-1
-        batch, n_scopes = codes.shape[0], codes.shape[1]
-        m = coef.shape[2]
+        # one scope's codes [B, n, bytes] -> coef [B, m, r]: the unit levels of tokens first .. first+m-1
+        batch, m = codes.shape[0], coef.shape[1]
         chunks = (m + _CHUNK - 1) // _CHUNK
-        for job in prange(batch * n_scopes * chunks):
-            b = job // (n_scopes * chunks)
-            s = (job // chunks) % n_scopes
+        for job in prange(batch * chunks):
+            b = job // chunks
             lo = first + (job % chunks) * _CHUNK
             hi = min(first + m, lo + _CHUNK)
-            _decode_rows(codes[b, s], runs[s], n_runs[s], lut, lo, hi, coef[s, b, lo - first:])
+            _decode_rows(codes[b], runs, n_runs, lut, lo, hi, coef[b, lo - first:])
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
     def _rope_scores(keys, cos, sin, query, scaling, heads_per_scope, first, scores):  # pragma: no cover
@@ -243,7 +241,8 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     """Attention of grouped ``query [B, H_kv, R, d]`` (float32, channels in RoPE pair order) over one
     block of ``n`` coded tokens, on CPU tensors.
 
-    ``codes [B, S, n, bytes]`` uint8: the packed key codes of the ``S`` PCA scopes, laid out as ``plan``
+    ``codes [B, S, n, bytes]`` uint8 (or the ``S`` scopes' ``[B, n, bytes]`` apart, as the block holds them):
+    the packed key codes of the ``S`` PCA scopes, laid out as ``plan``
     (a `codecs.table_decoder.SlotPlan`) says; a token's pre-RoPE key is ``mean[s] + levels @ scaled[s]``
     (``scaled [S, r, W]`` the scaled bases, ``mean [S, W]``, float32, columns in pair order,
     ``W = H_kv * d / S``); ``cos, sin [B, n, d/2]``: the tokens' RoPE; ``hidden [B, H_kv, m]`` int32:
@@ -253,7 +252,8 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     Returns ``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])``: the softmax probabilities
     summed per value group and codeword, and the log-sum-exp of the scores."""
     batch, heads, rows, d = query.shape
-    n_scopes, n = codes.shape[1], codes.shape[2]
+    scopes = [_numpy(c) for c in (codes.unbind(1) if isinstance(codes, torch.Tensor) else codes)]
+    n_scopes, n = len(scopes), scopes[0].shape[1]
     heads_per_scope = heads // n_scopes
     split = _half_split(d)
     columns = torch.cat([j * d + split for j in range(heads_per_scope)])
@@ -264,14 +264,15 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     bins = np.zeros((batch, heads, n_groups << v_bits, rows), np.float32)
     lse = np.empty((batch, heads, rows), np.float32)
     held = np.zeros((batch, heads, 0), np.int32) if hidden is None else _numpy(hidden.to(torch.int32))
-    codes_np, lut = _numpy(codes), byte_levels(plan.level_kind)
+    lut = byte_levels(plan.level_kind)
     q, c, s = _numpy(query[..., split]), _numpy(cos), _numpy(sin)
     with _thread_lock:  # numba's thread count is process-wide
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         for first in range(0, n, _SLICE):
             m = min(_SLICE, n - first)
             coef = torch.empty(n_scopes, batch, m, rank)
-            _coefficients(codes_np, plan.runs, plan.run_counts, lut, first, coef.numpy())
+            for scope, (code, coef_s) in enumerate(zip(scopes, coef.numpy())):
+                _coefficients(code, plan.runs[scope], plan.run_counts[scope], lut, first, coef_s)
             keys = torch.baddbmm(start, coef.view(n_scopes, batch * m, rank), basis)
             _rope_scores(keys.view(n_scopes, batch, m, width).numpy(), c, s, q, np.float32(scaling),
                          heads_per_scope, first, scores)

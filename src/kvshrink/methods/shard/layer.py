@@ -20,7 +20,7 @@ from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
 from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
-from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stack_scopes, stacked_codes
+from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stack_scopes
 from kvshrink.methods.shard.shared import ShardShared
 
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
@@ -303,10 +303,10 @@ class ShardLayer(CacheLayer):
         return self.shared.fast and query.device.type == "cpu" and rows <= _FAST_ROWS and not backend.gpu_path(query)
 
     def fused_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
-        """The block's partial from `codecs.fused.code_attention`: one pass over its packed key codes
-        (keys summed from lookup tables, RoPE, scores) and one over its value codes (softmax
-        probabilities summed per codeword), no key or value materialised; same result as the reference
-        path within float32 rounding."""
+        """The block's partial from `codecs.fused.code_attention`: its keys rebuilt a slice of tokens at
+        a time (coefficients from the codes, one batched product with the bases, RoPE, scores) and one
+        pass over its value codes (softmax probabilities summed per codeword), no whole key or value
+        block materialised; same result as the reference path within float32 rounding."""
         pairs = pair_order(self.d, device=query.device)
         qg = group_queries(query.float(), self.h_kv)[..., pairs].contiguous()  # keys come in pair order
         plan = self.slot_plan(block)
@@ -315,7 +315,7 @@ class ShardLayer(CacheLayer):
         hidden = None if block.salient is None else block.salient.index
         k_entries, group = block.v_codebook.shape
         bins, lse = fused.code_attention(
-            stacked_codes(block.keys), plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden,
+            [code.codes for code in block.keys], plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden,
             block.v_codes, int(math.log2(k_entries)), self.d // group)
         out = self.values_from_bins(block, bins)
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
