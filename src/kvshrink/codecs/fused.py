@@ -237,15 +237,16 @@ def _half_split(head_dim: int) -> torch.Tensor:
 
 def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
-                   v_codes: torch.Tensor, v_bits: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of grouped ``query [B, H_kv, R, d]`` (float32, channels in RoPE pair order) over one
-    block of ``n`` coded tokens, on CPU tensors.
+                   v_codes: torch.Tensor, v_bits: int, n_groups: int,
+                   halves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped ``query [B, H_kv, R, d]`` (float32, channels in RoPE pair order, or with
+    ``halves=True`` as two halves, the model's order) over one block of ``n`` coded tokens, on CPU tensors.
 
     ``codes [B, S, n, bytes]`` uint8 (or the ``S`` scopes' ``[B, n, bytes]`` apart, as the block holds them):
     the packed key codes of the ``S`` PCA scopes, laid out as ``plan``
     (a `codecs.table_decoder.SlotPlan`) says; a token's pre-RoPE key is ``mean[s] + levels @ scaled[s]``
     (``scaled [S, r, W]`` the scaled bases, ``mean [S, W]``, float32, columns in pair order,
-    ``W = H_kv * d / S``); ``cos, sin [B, n, d/2]``: the tokens' RoPE; ``hidden [B, H_kv, m]`` int32:
+    ``W = H_kv * d / S``; with ``halves=True`` in the query's order too); ``cos, sin [B, n, d/2]``: the tokens' RoPE; ``hidden [B, H_kv, m]`` int32:
     rows not attended (or None); ``v_codes [B, H_kv, n, bytes]``: ``n_groups`` value codes of ``v_bits``
     bits per token.
 
@@ -255,17 +256,18 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     scopes = [_numpy(c) for c in (codes.unbind(1) if isinstance(codes, torch.Tensor) else codes)]
     n_scopes, n = len(scopes), scopes[0].shape[1]
     heads_per_scope = heads // n_scopes
-    split = _half_split(d)
-    columns = torch.cat([j * d + split for j in range(heads_per_scope)])
-    basis = scaled[..., columns].contiguous()
-    start = mean[:, columns].unsqueeze(1).contiguous()
+    if not halves:
+        split = _half_split(d)
+        columns = torch.cat([j * d + split for j in range(heads_per_scope)])
+        scaled, mean, query = scaled[..., columns], mean[:, columns], query[..., split]
+    basis, start = scaled.contiguous(), mean.unsqueeze(1).contiguous()
     rank, width = basis.shape[1], basis.shape[2]
     scores = np.empty((batch, heads, rows, n), np.float32)
     bins = np.zeros((batch, heads, n_groups << v_bits, rows), np.float32)
     lse = np.empty((batch, heads, rows), np.float32)
     held = np.zeros((batch, heads, 0), np.int32) if hidden is None else _numpy(hidden.to(torch.int32))
     lut = byte_levels(plan.level_kind)
-    q, c, s = _numpy(query[..., split]), _numpy(cos), _numpy(sin)
+    q, c, s = _numpy(query), _numpy(cos), _numpy(sin)
     with _thread_lock:  # numba's thread count is process-wide
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         for first in range(0, n, _SLICE):

@@ -307,16 +307,15 @@ class ShardLayer(CacheLayer):
         a time (coefficients from the codes, one batched product with the bases, RoPE, scores) and one
         pass over its value codes (softmax probabilities summed per codeword), no whole key or value
         block materialised; same result as the reference path within float32 rounding."""
-        pairs = pair_order(self.d, device=query.device)
-        qg = group_queries(query.float(), self.h_kv)[..., pairs].contiguous()  # keys come in pair order
+        qg = group_queries(query.float(), self.h_kv)   # the model's order: RoPE pairs as two halves
         plan = self.slot_plan(block)
-        scaled, mean = scaled_bases(block.keys, plan.columns)
+        scaled, mean = scaled_bases(block.keys)
         cos, sin = self.shared.pair_rope(ctx, block.start, block.covers, block.rows())
         hidden = None if block.salient is None else block.salient.index
         k_entries, group = block.v_codebook.shape
         bins, lse = fused.code_attention(
             [code.codes for code in block.keys], plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden,
-            block.v_codes, int(math.log2(k_entries)), self.d // group)
+            block.v_codes, int(math.log2(k_entries)), self.d // group, halves=True)
         out = self.values_from_bins(block, bins)
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
 
