@@ -317,11 +317,21 @@ def test_vq_exact_on_clustered_data_and_chunked_assignment():
     pts = centres[torch.randint(0, 8, (5000,), generator=g)]
     cb = fit_codebook(pts, 8, iters=10, seed=0)
     from kvshrink.codecs import assign_codes
-    idx_chunked = assign_codes(pts, cb, chunk=333)
+    from kvshrink.codecs.vq import assign_codes_torch
+    idx_chunked = assign_codes_torch(pts, cb, chunk=333)
     torch.testing.assert_close(cb[idx_chunked], pts, atol=1e-3, rtol=1e-4)
-    assert torch.equal(idx_chunked, assign_codes(pts, cb))
+    assert torch.equal(idx_chunked, assign_codes(pts, cb))       # the numba pass, when numba is installed
     with pytest.raises(ValueError, match="power of two"):
         fit_codebook(pts, 100)
+
+
+def test_the_one_pass_codeword_search_equals_the_torch_ops():
+    from kvshrink.codecs.vq import assign_codes, assign_codes_torch, gaussian_codebook
+
+    x = torch.randn(20000, 4, generator=torch.Generator().manual_seed(2))
+    cb = gaussian_codebook(4, 256, seed=0)
+    got = assign_codes(x, cb, out_dtype=torch.int32)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), assign_codes_torch(x, cb))
 
 
 def test_pca_column_scale_is_multiplied_back_on_decode():

@@ -41,7 +41,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "warm_up"]
+__all__ = ["available", "unavailable_reason", "code_attention", "nearest_codewords", "warm_up"]
 
 # Tokens per parallel work item of the per-token passes (enough to amortise scheduling, small enough to share).
 _CHUNK = 256
@@ -225,6 +225,28 @@ if numba is not None:
             _bin_rows(scores[b, h], v_codes[b, h], v_bits, n_groups, bins[b, h])
 
 
+    @njit(parallel=True, cache=True, fastmath=_FASTMATH)
+    def _nearest_codewords(x, codebook_t, c_sq, out):  # pragma: no cover - compiled
+        # x [N, g], codebook_t [g, k]: out[i] = argmin_j ||c_j||^2 - 2 x_i.c_j (the first of equal ones)
+        n, g = x.shape
+        k = codebook_t.shape[1]
+        chunks = (n + 1023) // 1024
+        for job in prange(chunks):
+            dist = np.empty(k, np.float32)
+            for i in range(job * 1024, min(n, job * 1024 + 1024)):
+                for j in range(k):
+                    dist[j] = c_sq[j]
+                for e in range(g):
+                    w = np.float32(-2.0) * x[i, e]
+                    for j in range(k):
+                        dist[j] += w * codebook_t[e, j]
+                best, arg = dist[0], 0
+                for j in range(1, k):
+                    if dist[j] < best:
+                        best, arg = dist[j], j
+                out[i] = arg
+
+
 _thread_lock = threading.Lock()
 
 
@@ -282,6 +304,17 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
                          heads_per_scope, first, scores)
         _value_bins(scores, held, _numpy(v_codes), v_bits, n_groups, bins, lse)
     return torch.from_numpy(bins).transpose(2, 3), torch.from_numpy(lse)
+
+
+def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """int32 index of the nearest row of ``codebook [k, g]`` for each row of ``x [N, g]`` (CPU, float32):
+    `codecs.vq.assign_codes` in one pass, no ``N x k`` distance block written to memory."""
+    c = codebook.float()
+    out = np.empty(x.shape[0], np.int32)
+    with _thread_lock:
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        _nearest_codewords(_numpy(x.float()), _numpy(c.T), _numpy(c.pow(2).sum(1)), out)
+    return torch.from_numpy(out)
 
 
 def warm_up() -> None:

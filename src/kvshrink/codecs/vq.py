@@ -36,6 +36,16 @@ def assign_codes(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 2048,
     """Index of the nearest codeword for each row of ``x`` ``[N, g]`` (exhaustive, chunked over rows:
     small chunks keep the ``chunk x k`` distance block in cache, which measured fastest on CPU).
     ``out_dtype`` (e.g. int32) narrows the result when it is only going to be packed."""
+    from . import fused
+
+    if x.device.type == "cpu" and codebook.device.type == "cpu" and fused.available():
+        return fused.nearest_codewords(x, codebook).to(out_dtype)   # one pass, 1.7x faster on CPU
+    return assign_codes_torch(x, codebook, chunk, out_dtype)
+
+
+def assign_codes_torch(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 2048,
+                       out_dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`assign_codes` in torch ops (any device; the oracle of the numba pass)."""
     c = codebook.float()
     c_sq = c.pow(2).sum(1)
     out = torch.empty(x.shape[0], dtype=out_dtype, device=x.device)
