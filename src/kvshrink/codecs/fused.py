@@ -330,3 +330,4 @@ def warm_up() -> None:
     code_attention(code.codes.unsqueeze(1), slot_plan([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
                    torch.ones(1, 2, 1), torch.zeros(1, 2, 1), torch.zeros(1, 1, 1, 2), 1.0, None,
                    torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1)
+    nearest_codewords(torch.zeros(1, 2), torch.zeros(2, 2))
