@@ -144,3 +144,26 @@ def test_fast_path_without_numba_equals_reference(models, monkeypatch):
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert caches["fast"].stats()["missed_rows"] == caches["reference"].stats()["missed_rows"]
+
+
+def test_unpadded_row_attends_without_a_mask_once_the_slots_hold_only_the_selection(models, monkeypatch):
+    """One unpadded row whose candidates grow past top_k while decoding: the first steps need the mask
+    (fewer candidates than slots), the later ones skip it (every slot holds the selection); the answers
+    stay the reference's throughout."""
+    from kvshrink.methods.lrqk import LRQKLayer
+
+    masked = []
+    build = LRQKLayer._visible_keys
+    monkeypatch.setattr(LRQKLayer, "_visible_keys", lambda self, *a: masked.append(1) or build(self, *a))
+    model = models["qwen2"]
+    ids, mask = left_pad(prompts([10]))
+    caches = {k: kvshrink.make_cache("lrqk", model, kernel=k, top_k=8, window=4) for k in ("reference", "fast")}
+    ref_seq, ref_logits = greedy(model, ids, mask, caches["reference"], new_tokens=8)
+    masked.clear()
+    seq, logits = greedy(model, ids, mask, caches["fast"], new_tokens=8)
+    layers = model.config.num_hidden_layers
+    assert 0 < len(masked) < 7 * layers      # 7 decode steps: some with the mask, some without
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for key in ("selected_rows", "missed_rows", "bytes_moved", "fast_tier_bytes"):
+        assert caches["fast"].stats()[key] == caches["reference"].stats()[key], key
