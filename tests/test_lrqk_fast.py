@@ -113,6 +113,30 @@ def test_slot_fill_matches_a_set_model(fast):
         held = want
 
 
+@pytest.mark.parametrize("planted", [65510.0, float("inf"), float("nan"), [float("nan"), 1e6]])
+def test_planned_fill_checks_the_float16_range_as_torch(planted):
+    """Narrowing the filled rows to float16 slots: the compiled gather's range check refuses what the
+    torch fill refuses (beyond 65504, inf) and lets through what it lets through (a NaN, even beside an
+    overflowing value: ``amax`` of rows holding a NaN is NaN), with the same rows in the slots."""
+    rows, d, k = 2, 4, 3
+    outcomes = []
+    for fast in (False, True):
+        slow, _, _ = _filled_slow_tier(torch.Generator().manual_seed(7), rows, d, tokens=10)
+        values = planted if isinstance(planted, list) else [planted]
+        for i, v in enumerate(values):
+            slow.data[4, 1, i, 0] = v                                 # token 4, row 1: K (then V)
+        tier = SlotTier(rows, k, d, torch.float16, torch.device("cpu"), "set")
+        try:
+            tier.select(torch.tensor([[0, 1, 2], [3, 4, 5]]), slow, fast=fast)
+            outcomes.append(("ok", tier.keys.clone(), tier.values.clone()))
+        except ValueError as err:
+            outcomes.append((str(err), None, None))
+    assert outcomes[0][0] == outcomes[1][0]
+    if outcomes[0][0] == "ok":
+        torch.testing.assert_close(outcomes[0][1], outcomes[1][1], equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(outcomes[0][2], outcomes[1][2], equal_nan=True, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("policy", ["set", "lru", "attention"])
 def test_planned_slot_fill_places_rows_as_torch(policy):

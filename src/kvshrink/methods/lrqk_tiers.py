@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvshrink.cache.store import _FP16_MAX, held_bytes, to_storage
+from kvshrink.cache.store import _FP16_MAX, check_fp16_peak, held_bytes, storage_overflow_check, to_storage
 from kvshrink.codecs import fused
 
 POLICIES = ("set", "lru", "attention")
@@ -138,6 +138,19 @@ class SlowTier:
             picked = flat.index_select(0, (token.long() * self.rows + row.long()).cpu())
             self._check_rows(row, token, picked)
         return picked
+
+    def gather_with_peak(self, row: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+        """``gather`` and the rows' largest magnitude (NaN if one is NaN: ``amax``'s answer), read in one
+        compiled pass where it can run (a host tier of float32 rows, numba installed); elsewhere ``gather``
+        and a None peak (the caller checks the rows itself). Saves the fast fill's index arithmetic,
+        ``index_select`` and range check as separate torch ops."""
+        if not (_compiled_gather(self) and row.device.type == "cpu" and token.device.type == "cpu"):
+            return self.gather(row, token), None
+        out = torch.empty((token.numel(), 2, self.head_dim), dtype=self.dtype)
+        with self._lock:
+            self._settle()
+            peak = _gather_rows(self.data.numpy(), row.numpy(), token.numpy(), out.numpy())
+        return out, peak
 
     def gather_to(self, flat: torch.Tensor, device: torch.device,
                   given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -417,9 +430,9 @@ class SlotTier:
         self.chosen = chosen
         moved = 0
         if tokens.numel():
-            fill = slow.gather(row_idx, tokens)
+            fill, peak = slow.gather_with_peak(row_idx, tokens)
             moved = fill.numel() * fill.element_size()
-            fill = to_storage(fill, self.keys.dtype)
+            fill = _narrowed(fill, self.keys.dtype, peak)
             self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0])
             self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1])
         self._update_policy_state(selected, mass, slow.length)
@@ -609,11 +622,49 @@ if fused.available():
         return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
 
 
+    @njit(cache=True)
+    def _gather_rows(data, row_idx, tokens, out):  # pragma: no cover - compiled
+        """``out[i] = data[tokens[i], row_idx[i]]`` (its K and V rows); returns their largest magnitude,
+        NaN if one is NaN (as ``amax``)."""
+        peak = 0.0
+        nan = False
+        for i in range(tokens.shape[0]):
+            src = data[tokens[i], row_idx[i]]
+            for j in range(src.shape[0]):
+                for t in range(src.shape[1]):
+                    x = src[j, t]
+                    out[i, j, t] = x
+                    a = abs(x)
+                    if a > peak:
+                        peak = a
+                    elif a != a:
+                        nan = True
+        return np.nan if nan else peak
+
+
+def _compiled_gather(slow: SlowTier) -> bool:
+    """Whether ``slow``'s rows can be gathered by ``_gather_rows``: numba, float32 rows in host memory,
+    and no per-row checks of a subclass (the disk tier's checksums)."""
+    return (fused.available() and slow.dtype == torch.float32
+            and type(slow)._check_rows is SlowTier._check_rows and slow.data.device.type == "cpu")
+
+
+def _narrowed(fill: torch.Tensor, dtype: torch.dtype, peak: float | None) -> torch.Tensor:
+    """``to_storage(fill, dtype)``, its range check read from ``peak`` when the gather measured it."""
+    if peak is None:
+        return to_storage(fill, dtype)
+    if storage_overflow_check(fill, dtype):
+        check_fp16_peak(peak)
+    return fill.to(dtype)
+
+
 def warm_up_fill_planner() -> None:
     """Compile (or load from numba's cache) the fill planner now, on a tiny input."""
     if fused.available():
         _plan_fill(np.full((1, 2), -1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 1), np.int64),
                    np.zeros((1, 2), np.bool_), 1)
+        _gather_rows(np.zeros((1, 1, 2, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                     np.empty((1, 2, 1), np.float32))
 
 
 def deferred_to_storage(x: torch.Tensor, dtype: torch.dtype, overflow: torch.Tensor | None) -> torch.Tensor:
