@@ -113,7 +113,7 @@ def test_slot_fill_matches_a_set_model(fast):
         held = want
 
 
-@pytest.mark.parametrize("planted", [65510.0, float("inf"), float("nan"), [float("nan"), 1e6]])
+@pytest.mark.parametrize("planted", [65510.0, -7e4, float("-inf"), float("nan"), [float("nan"), 1e6], 65504.0])
 def test_planned_fill_checks_the_float16_range_as_torch(planted):
     """Narrowing the filled rows to float16 slots: the compiled gather's range check refuses what the
     torch fill refuses (beyond 65504, inf) and lets through what it lets through (a NaN, even beside an

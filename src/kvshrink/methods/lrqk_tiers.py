@@ -149,8 +149,9 @@ class SlowTier:
         out = torch.empty((token.numel(), 2, self.head_dim), dtype=self.dtype)
         with self._lock:
             self._settle()
-            peak = _gather_rows(self.data.numpy(), row.numpy(), token.numpy(), out.numpy())
-        return out, peak
+            largest = _gather_rows(self.data.view(torch.int32).numpy(), row.numpy(), token.numpy(),
+                                   out.view(torch.int32).numpy())
+        return out, _magnitude_of_bits(largest)
 
     def gather_to(self, flat: torch.Tensor, device: torch.device,
                   given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -623,23 +624,31 @@ if fused.available():
 
 
     @njit(cache=True)
-    def _gather_rows(data, row_idx, tokens, out):  # pragma: no cover - compiled
-        """``out[i] = data[tokens[i], row_idx[i]]`` (its K and V rows); returns their largest magnitude,
-        NaN if one is NaN (as ``amax``)."""
-        peak = 0.0
-        nan = False
+    def _gather_rows(bits, row_idx, tokens, out):  # pragma: no cover - compiled
+        """``out[i] = bits[tokens[i], row_idx[i]]`` (a token's K and V rows, float32 read as int32 bits);
+        returns the largest of the copied bits without the sign: the largest magnitude's bit pattern,
+        above ``_F32_INF_BITS`` when a NaN is among them. An integer maximum vectorises; a float one
+        that must also notice NaNs does not."""
+        largest = 0
         for i in range(tokens.shape[0]):
-            src = data[tokens[i], row_idx[i]]
+            src = bits[tokens[i], row_idx[i]]
+            dst = out[i]
             for j in range(src.shape[0]):
                 for t in range(src.shape[1]):
-                    x = src[j, t]
-                    out[i, j, t] = x
-                    a = abs(x)
-                    if a > peak:
-                        peak = a
-                    elif a != a:
-                        nan = True
-        return np.nan if nan else peak
+                    v = src[j, t]
+                    dst[j, t] = v
+                    largest = max(largest, v & 0x7FFFFFFF)
+        return largest
+
+
+# float32 +inf's bit pattern: a larger pattern without the sign is a NaN.
+_F32_INF_BITS = 0x7F800000
+
+
+def _magnitude_of_bits(bits: int) -> float:
+    """The float32 magnitude whose bit pattern is ``bits`` (sign cleared): what ``abs().amax()`` gives,
+    NaN for a NaN."""
+    return float(np.array(bits, dtype=np.int32).view(np.float32)) if bits <= _F32_INF_BITS else float("nan")
 
 
 def _compiled_gather(slow: SlowTier) -> bool:
@@ -663,8 +672,8 @@ def warm_up_fill_planner() -> None:
     if fused.available():
         _plan_fill(np.full((1, 2), -1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 1), np.int64),
                    np.zeros((1, 2), np.bool_), 1)
-        _gather_rows(np.zeros((1, 1, 2, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64),
-                     np.empty((1, 2, 1), np.float32))
+        _gather_rows(np.zeros((1, 1, 2, 1), np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                     np.empty((1, 2, 1), np.int32))
 
 
 def deferred_to_storage(x: torch.Tensor, dtype: torch.dtype, overflow: torch.Tensor | None) -> torch.Tensor:
