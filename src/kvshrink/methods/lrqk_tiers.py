@@ -433,11 +433,22 @@ class SlotTier:
         if tokens.numel():
             fill, peak = slow.gather_with_peak(row_idx, tokens)
             moved = fill.numel() * fill.element_size()
-            fill = _narrowed(fill, self.keys.dtype, peak)
-            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0])
-            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1])
+            self._write_rows(flat, _narrowed(fill, self.keys.dtype, peak))
         self._update_policy_state(selected, mass, slow.length)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved)
+
+    def _write_rows(self, flat: torch.Tensor, fill: torch.Tensor) -> None:
+        """Slot ``flat[i]`` (``row * capacity + slot``) takes K ``fill[i, 0]`` and V ``fill[i, 1]`` (the
+        slots' dtype): one compiled copy of the raw bits instead of two ``index_copy_`` (the planned fill,
+        CPU slots)."""
+        d = self.keys.shape[-1]
+        bits = _SAME_SIZE_INT.get(fill.element_size())
+        if bits is None or not (self.keys.is_contiguous() and self.values.is_contiguous()):
+            self.keys.view(-1, d).index_copy_(0, flat, fill[:, 0])
+            self.values.view(-1, d).index_copy_(0, flat, fill[:, 1])
+            return
+        _scatter_rows(self.keys.view(bits).view(-1, d).numpy(), self.values.view(bits).view(-1, d).numpy(),
+                      flat.numpy(), fill.contiguous().view(bits).numpy())
 
     def select_device(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
                       overflow: torch.Tensor | None = None,
@@ -641,6 +652,17 @@ if fused.available():
         return largest
 
 
+    @njit(cache=True)
+    def _scatter_rows(keys, values, flat, fill):  # pragma: no cover - compiled
+        """``keys[flat[i]] = fill[i, 0]``, ``values[flat[i]] = fill[i, 1]`` (rows as raw integer bits)."""
+        for i in range(flat.shape[0]):
+            keys[flat[i]] = fill[i, 0]
+            values[flat[i]] = fill[i, 1]
+
+
+# Integer dtype of each element size: slot rows are copied as raw bits by _scatter_rows.
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 # float32 +inf's bit pattern: a larger pattern without the sign is a NaN.
 _F32_INF_BITS = 0x7F800000
 
@@ -667,6 +689,14 @@ def _narrowed(fill: torch.Tensor, dtype: torch.dtype, peak: float | None) -> tor
     return fill.to(dtype)
 
 
+def host_to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``to_storage`` of a few values (a token's key factors), the range check read in numpy when ``x`` is
+    on the host: the same refusals for a fraction of three torch ops' dispatch."""
+    if x.device.type != "cpu" or x.dtype == torch.bfloat16 or x.requires_grad or not x.numel():
+        return to_storage(x, dtype)
+    return _narrowed(x, dtype, float(np.abs(x.numpy()).max()))
+
+
 def warm_up_fill_planner() -> None:
     """Compile (or load from numba's cache) the fill planner now, on a tiny input."""
     if fused.available():
@@ -674,6 +704,9 @@ def warm_up_fill_planner() -> None:
                    np.zeros((1, 2), np.bool_), 1)
         _gather_rows(np.zeros((1, 1, 2, 1), np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64),
                      np.empty((1, 2, 1), np.int32))
+        for bits in (np.int16, np.int32):    # float16/bfloat16 and float32 slots
+            _scatter_rows(np.zeros((1, 1), bits), np.zeros((1, 1), bits), np.zeros(1, np.int64),
+                          np.zeros((1, 2, 1), bits))
 
 
 def deferred_to_storage(x: torch.Tensor, dtype: torch.dtype, overflow: torch.Tensor | None) -> torch.Tensor:
