@@ -71,7 +71,6 @@ from kvshrink.methods.lrqk_tiers import (
     SlotTier,
     SlowTier,
     deferred_to_storage,
-    host_to_storage,
     make_slow_tier,
     state_tensors,
     warm_up_fill_planner,
@@ -586,7 +585,7 @@ class LRQKLayer(CacheLayer):
         elif gpu and getattr(self, "_overflow", None) is not None:   # range checked with the next miss transfer
             self._append_factors(deferred_to_storage(self._k_hat, self.factor_dtype, self._overflow).unsqueeze(2))
         else:
-            self._append_factors(host_to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
+            self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
         self._query = None
         self._k_hat = None
 

@@ -689,14 +689,6 @@ def _narrowed(fill: torch.Tensor, dtype: torch.dtype, peak: float | None) -> tor
     return fill.to(dtype)
 
 
-def host_to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``to_storage`` of a few values (a token's key factors), the range check read in numpy when ``x`` is
-    on the host: the same refusals for a fraction of three torch ops' dispatch."""
-    if x.device.type != "cpu" or x.dtype == torch.bfloat16 or x.requires_grad or not x.numel():
-        return to_storage(x, dtype)
-    return _narrowed(x, dtype, float(np.abs(x.numpy()).max()))
-
-
 def warm_up_fill_planner() -> None:
     """Compile (or load from numba's cache) the fill planner now, on a tiny input."""
     if fused.available():
