@@ -633,7 +633,6 @@ if fused.available():
                 in_selection[selected[r, j]] = False
         return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
 
-
     @njit(cache=True)
     def _gather_rows(bits, row_idx, tokens, out):  # pragma: no cover - compiled
         """``out[i] = bits[tokens[i], row_idx[i]]`` (a token's K and V rows, float32 read as int32 bits);
@@ -650,7 +649,6 @@ if fused.available():
                     dst[j, t] = v
                     largest = max(largest, v & 0x7FFFFFFF)
         return largest
-
 
     @njit(cache=True)
     def _scatter_rows(keys, values, flat, fill):  # pragma: no cover - compiled
