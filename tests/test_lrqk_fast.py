@@ -113,6 +113,30 @@ def test_slot_fill_matches_a_set_model(fast):
         held = want
 
 
+@pytest.mark.parametrize("planted", [65510.0, -7e4, float("-inf"), float("nan"), [float("nan"), 1e6], 65504.0])
+def test_planned_fill_checks_the_float16_range_as_torch(planted):
+    """Narrowing the filled rows to float16 slots: the compiled gather's range check refuses what the
+    torch fill refuses (beyond 65504, inf) and lets through what it lets through (a NaN, even beside an
+    overflowing value: ``amax`` of rows holding a NaN is NaN), with the same rows in the slots."""
+    rows, d, k = 2, 4, 3
+    outcomes = []
+    for fast in (False, True):
+        slow, _, _ = _filled_slow_tier(torch.Generator().manual_seed(7), rows, d, tokens=10)
+        values = planted if isinstance(planted, list) else [planted]
+        for i, v in enumerate(values):
+            slow.data[4, 1, i, 0] = v                                 # token 4, row 1: K (then V)
+        tier = SlotTier(rows, k, d, torch.float16, torch.device("cpu"), "set")
+        try:
+            tier.select(torch.tensor([[0, 1, 2], [3, 4, 5]]), slow, fast=fast)
+            outcomes.append(("ok", tier.keys.clone(), tier.values.clone()))
+        except ValueError as err:
+            outcomes.append((str(err), None, None))
+    assert outcomes[0][0] == outcomes[1][0]
+    if outcomes[0][0] == "ok":
+        torch.testing.assert_close(outcomes[0][1], outcomes[1][1], equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(outcomes[0][2], outcomes[1][2], equal_nan=True, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("policy", ["set", "lru", "attention"])
 def test_planned_slot_fill_places_rows_as_torch(policy):
@@ -144,3 +168,26 @@ def test_fast_path_without_numba_equals_reference(models, monkeypatch):
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert caches["fast"].stats()["missed_rows"] == caches["reference"].stats()["missed_rows"]
+
+
+def test_unpadded_row_attends_without_a_mask_once_the_slots_hold_only_the_selection(models, monkeypatch):
+    """One unpadded row whose candidates grow past top_k while decoding: the first steps need the mask
+    (fewer candidates than slots), the later ones skip it (every slot holds the selection); the answers
+    stay the reference's throughout."""
+    from kvshrink.methods.lrqk import LRQKLayer
+
+    masked = []
+    build = LRQKLayer._visible_keys
+    monkeypatch.setattr(LRQKLayer, "_visible_keys", lambda self, *a: masked.append(1) or build(self, *a))
+    model = models["qwen2"]
+    ids, mask = left_pad(prompts([10]))
+    caches = {k: kvshrink.make_cache("lrqk", model, kernel=k, top_k=8, window=4) for k in ("reference", "fast")}
+    ref_seq, ref_logits = greedy(model, ids, mask, caches["reference"], new_tokens=8)
+    masked.clear()
+    seq, logits = greedy(model, ids, mask, caches["fast"], new_tokens=8)
+    layers = model.config.num_hidden_layers
+    assert 0 < len(masked) < 7 * layers      # 7 decode steps: some with the mask, some without
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for key in ("selected_rows", "missed_rows", "bytes_moved", "fast_tier_bytes"):
+        assert caches["fast"].stats()[key] == caches["reference"].stats()[key], key

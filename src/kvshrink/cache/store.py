@@ -52,10 +52,14 @@ def check_storage(x: torch.Tensor, dtype: torch.dtype) -> None:
         if gpu_path(x):
             defer_peak(_peak(x), _FP16_MAX, _OVERFLOW)
         else:
-            peak = float(x.detach().abs().amax())
-            if peak > _FP16_MAX:
-                raise ValueError(f"kvshrink: a key or value of {peak:.4g} is beyond float16's range (+-65504); "
-                                 + _OVERFLOW)
+            check_fp16_peak(float(x.detach().abs().amax()))
+
+
+def check_fp16_peak(peak: float) -> None:
+    """ValueError when values whose largest magnitude is ``peak`` are narrowed to float16 beyond its range
+    (a NaN peak, as ``amax`` gives for values holding a NaN, passes: only overflow is refused)."""
+    if peak > _FP16_MAX:
+        raise ValueError(f"kvshrink: a key or value of {peak:.4g} is beyond float16's range (+-65504); " + _OVERFLOW)
 
 
 _OVERFLOW = ("stored as float16 it would become inf. Store exact tokens in the model's dtype (the method's "

@@ -246,7 +246,7 @@ class LRQKLayer(CacheLayer):
         else:
             if candidates > 0:
                 self._select_and_fill(query, ctx, candidates)
-            out = self._resident_attention(query, key, value, ctx, slots=candidates > 0)
+            out = self._resident_attention(query, key, value, ctx, candidates)
         self._pending = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
@@ -405,7 +405,8 @@ class LRQKLayer(CacheLayer):
             keys.append(self._factor_keys(self.win_k))
         a = torch.cat(factors, 1).float()
         keys = torch.cat([k.reshape(b * f, k.shape[2], -1) for k in keys], 1).float()
-        return a.transpose(-1, -2) @ a, (q @ keys.transpose(-1, -2)) @ a
+        # torch.bmm, not @: the same kernel without matmul's expand/reshape ops around it
+        return torch.bmm(a.mT, a), torch.bmm(torch.bmm(q, keys.mT), a)
 
     def _resident_rows(self, b: int, f: int):
         """A_K rows, keys and weights of the tokens in fast memory (slots + window), per factor head."""
@@ -491,30 +492,46 @@ class LRQKLayer(CacheLayer):
         return Partial(part.out.reshape(b, hq, q, d).to(query.device), part.lse.reshape(b, hq, q).to(query.device))
 
     def _resident_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
-                            slots: bool) -> torch.Tensor:
+                            candidates: int) -> torch.Tensor:
         """Exact attention ``[B, H_q, 1, d]`` of the new token over this step's selection in the slots
-        (``slots``), the window and itself, in one call: each KV head folded into the batch (each holds
-        other tokens), its window and new token beside its slots."""
+        (when there are ``candidates``), the window and itself, in one call: each KV head folded into the
+        batch (each holds other tokens), its window and new token beside its slots."""
         b, hq, q, d = query.shape
         hkv = self.info.num_kv_heads
-        rows, device, past = b * hkv, self.slots.keys.device, ctx.past_len
-        keys, values, index = [], [], []
-        if slots:   # slots outside the selection get index -1: hidden like left padding
-            keys, values, index = [self.slots.keys], [self.slots.values], [self.slots.selected_index(-1)]
+        rows, device = b * hkv, self.slots.keys.device
+        slots = candidates > 0
+        keys, values = ([self.slots.keys], [self.slots.values]) if slots else ([], [])
         n_win = self.win_k.shape[2] if self.win_k is not None else 0
         if n_win:
             keys.append(self.win_k.reshape(rows, n_win, d))
             values.append(self.win_v.reshape(rows, n_win, d))
         keys.append(key.reshape(rows, 1, d).to(device))
         values.append(value.reshape(rows, 1, d).to(device))
-        index.append(torch.arange(past - n_win, past + 1, device=device).expand(rows, n_win + 1))
-        first = ctx.pad_len.to(device).repeat_interleave(hkv)[:, None] if ctx.pad_len is not None else 0
-        visible = (torch.cat(index, 1) >= first)[:, None, None, :]
+        visible = None if self._every_key_visible(ctx, candidates) else self._visible_keys(ctx, slots, n_win)
         folded_q = query.reshape(rows, hq // hkv, q, d).to(device)
         out = F.scaled_dot_product_attention(folded_q, torch.cat(keys, 1).unsqueeze(1).to(query.dtype),
                                              torch.cat(values, 1).unsqueeze(1).to(query.dtype), attn_mask=visible,
                                              scale=ctx.scaling, enable_gqa=True)
         return out.reshape(b, hq, q, d).to(query.device)
+
+    def _every_key_visible(self, ctx: StepContext, candidates: int) -> bool:
+        """Whether the attention needs no mask: no left padding, and either no slots are read or every slot
+        holds this step's selection (``top_k`` distinct tokens filling exactly ``top_k`` slots, the default
+        ``set`` policy once the prompt has ``top_k`` candidates). Saves building the mask and SDPA's masked
+        path every layer."""
+        if ctx.pad_len is not None:
+            return False
+        return candidates == 0 or min(self.top_k, candidates) == self.slots.capacity
+
+    def _visible_keys(self, ctx: StepContext, slots: bool, n_win: int) -> torch.Tensor:
+        """Boolean ``[rows, 1, 1, S + n_win + 1]`` mask of ``_resident_attention``'s keys: slots outside the
+        selection get index -1 and are hidden like left padding."""
+        rows, device, past = self.slots.rows, self.slots.keys.device, ctx.past_len
+        index = [self.slots.selected_index(-1)] if slots else []
+        index.append(torch.arange(past - n_win, past + 1, device=device).expand(rows, n_win + 1))
+        first = ctx.pad_len.to(device).repeat_interleave(self.info.num_kv_heads)[:, None] \
+            if ctx.pad_len is not None else 0
+        return (torch.cat(index, 1) >= first)[:, None, None, :]
 
     # ---- prefetch -----------------------------------------------------------------------------------
     def _start_prefetch(self, mass: torch.Tensor, selected: torch.Tensor) -> None:
@@ -578,8 +595,10 @@ class LRQKLayer(CacheLayer):
         device, dtype = self.slots.keys.device, self.slots.keys.dtype
         k, v = key.to(device, dtype), value.to(device, dtype)
         if self.win_k is not None:
-            k = torch.cat([self.win_k, k], dim=2)
-            v = torch.cat([self.win_v, v], dim=2)
+            # only the rows that stay are concatenated: the result is the new window, with no second copy
+            stay = max(0, min(self.win_k.shape[2], self.window - k.shape[2]))
+            k = torch.cat([self.win_k[:, :, self.win_k.shape[2] - stay:], k], dim=2)
+            v = torch.cat([self.win_v[:, :, self.win_v.shape[2] - stay:], v], dim=2)
         self.win_k = k[:, :, -self.window:].contiguous()
         self.win_v = v[:, :, -self.window:].contiguous()
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvshrink.cache.store import _FP16_MAX, held_bytes, to_storage
+from kvshrink.cache.store import _FP16_MAX, check_fp16_peak, held_bytes, storage_overflow_check, to_storage
 from kvshrink.codecs import fused
 
 POLICIES = ("set", "lru", "attention")
@@ -138,6 +138,20 @@ class SlowTier:
             picked = flat.index_select(0, (token.long() * self.rows + row.long()).cpu())
             self._check_rows(row, token, picked)
         return picked
+
+    def gather_with_peak(self, row: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+        """``gather`` and the rows' largest magnitude (NaN if one is NaN: ``amax``'s answer), read in one
+        compiled pass where it can run (a host tier of float32 rows, numba installed); elsewhere ``gather``
+        and a None peak (the caller checks the rows itself). Saves the fast fill's index arithmetic,
+        ``index_select`` and range check as separate torch ops."""
+        if not (_compiled_gather(self) and row.device.type == "cpu" and token.device.type == "cpu"):
+            return self.gather(row, token), None
+        out = torch.empty((token.numel(), 2, self.head_dim), dtype=self.dtype)
+        with self._lock:
+            self._settle()
+            largest = _gather_rows(self.data.view(torch.int32).numpy(), row.numpy(), token.numpy(),
+                                   out.view(torch.int32).numpy())
+        return out, _magnitude_of_bits(largest)
 
     def gather_to(self, flat: torch.Tensor, device: torch.device,
                   given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -417,13 +431,24 @@ class SlotTier:
         self.chosen = chosen
         moved = 0
         if tokens.numel():
-            fill = slow.gather(row_idx, tokens)
+            fill, peak = slow.gather_with_peak(row_idx, tokens)
             moved = fill.numel() * fill.element_size()
-            fill = to_storage(fill, self.keys.dtype)
-            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, fill[:, 0])
-            self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, fill[:, 1])
+            self._write_rows(flat, _narrowed(fill, self.keys.dtype, peak))
         self._update_policy_state(selected, mass, slow.length)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved)
+
+    def _write_rows(self, flat: torch.Tensor, fill: torch.Tensor) -> None:
+        """Slot ``flat[i]`` (``row * capacity + slot``) takes K ``fill[i, 0]`` and V ``fill[i, 1]`` (the
+        slots' dtype): one compiled copy of the raw bits instead of two ``index_copy_`` (the planned fill,
+        CPU slots)."""
+        d = self.keys.shape[-1]
+        bits = _SAME_SIZE_INT.get(fill.element_size())
+        if bits is None or not (self.keys.is_contiguous() and self.values.is_contiguous()):
+            self.keys.view(-1, d).index_copy_(0, flat, fill[:, 0])
+            self.values.view(-1, d).index_copy_(0, flat, fill[:, 1])
+            return
+        _scatter_rows(self.keys.view(bits).view(-1, d).numpy(), self.values.view(bits).view(-1, d).numpy(),
+                      flat.numpy(), fill.contiguous().view(bits).numpy())
 
     def select_device(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None = None,
                       overflow: torch.Tensor | None = None,
@@ -608,12 +633,70 @@ if fused.available():
                 in_selection[selected[r, j]] = False
         return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
 
+    @njit(cache=True)
+    def _gather_rows(bits, row_idx, tokens, out):  # pragma: no cover - compiled
+        """``out[i] = bits[tokens[i], row_idx[i]]`` (a token's K and V rows, float32 read as int32 bits);
+        returns the largest of the copied bits without the sign: the largest magnitude's bit pattern,
+        above ``_F32_INF_BITS`` when a NaN is among them. An integer maximum vectorises; a float one
+        that must also notice NaNs does not."""
+        largest = 0
+        for i in range(tokens.shape[0]):
+            src = bits[tokens[i], row_idx[i]]
+            dst = out[i]
+            for j in range(src.shape[0]):
+                for t in range(src.shape[1]):
+                    v = src[j, t]
+                    dst[j, t] = v
+                    largest = max(largest, v & 0x7FFFFFFF)
+        return largest
+
+    @njit(cache=True)
+    def _scatter_rows(keys, values, flat, fill):  # pragma: no cover - compiled
+        """``keys[flat[i]] = fill[i, 0]``, ``values[flat[i]] = fill[i, 1]`` (rows as raw integer bits)."""
+        for i in range(flat.shape[0]):
+            keys[flat[i]] = fill[i, 0]
+            values[flat[i]] = fill[i, 1]
+
+
+# Integer dtype of each element size: slot rows are copied as raw bits by _scatter_rows.
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# float32 +inf's bit pattern: a larger pattern without the sign is a NaN.
+_F32_INF_BITS = 0x7F800000
+
+
+def _magnitude_of_bits(bits: int) -> float:
+    """The float32 magnitude whose bit pattern is ``bits`` (sign cleared): what ``abs().amax()`` gives,
+    NaN for a NaN."""
+    return float(np.array(bits, dtype=np.int32).view(np.float32)) if bits <= _F32_INF_BITS else float("nan")
+
+
+def _compiled_gather(slow: SlowTier) -> bool:
+    """Whether ``slow``'s rows can be gathered by ``_gather_rows``: numba, float32 rows in host memory,
+    and no per-row checks of a subclass (the disk tier's checksums)."""
+    return (fused.available() and slow.dtype == torch.float32
+            and type(slow)._check_rows is SlowTier._check_rows and slow.data.device.type == "cpu")
+
+
+def _narrowed(fill: torch.Tensor, dtype: torch.dtype, peak: float | None) -> torch.Tensor:
+    """``to_storage(fill, dtype)``, its range check read from ``peak`` when the gather measured it."""
+    if peak is None:
+        return to_storage(fill, dtype)
+    if storage_overflow_check(fill, dtype):
+        check_fp16_peak(peak)
+    return fill.to(dtype)
+
 
 def warm_up_fill_planner() -> None:
     """Compile (or load from numba's cache) the fill planner now, on a tiny input."""
     if fused.available():
         _plan_fill(np.full((1, 2), -1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 1), np.int64),
                    np.zeros((1, 2), np.bool_), 1)
+        _gather_rows(np.zeros((1, 1, 2, 1), np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                     np.empty((1, 2, 1), np.int32))
+        for bits in (np.int16, np.int32):    # float16/bfloat16 and float32 slots
+            _scatter_rows(np.zeros((1, 1), bits), np.zeros((1, 1), bits), np.zeros(1, np.int64),
+                          np.zeros((1, 2, 1), bits))
 
 
 def deferred_to_storage(x: torch.Tensor, dtype: torch.dtype, overflow: torch.Tensor | None) -> torch.Tensor:
