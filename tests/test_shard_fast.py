@@ -111,7 +111,7 @@ def test_the_coefficient_decoder_reads_every_run_layout():
         rank = max(c.rank for c in codes)
         coef = torch.empty(len(codes), 2, 45, rank)
         for s, code in enumerate(codes):
-            fused._coefficients(code.codes.numpy(), plan.runs[s], plan.run_counts[s], fused.byte_levels(levels), 5,
+            fused._coefficients(code.codes.numpy(), plan.runs[s], plan.run_counts[s], fused.byte_levels(levels, (2, 4, 6, 8)), 5,
                                 coef[s].numpy())
         scaled, mean = scaled_bases(codes)
         for s, code in enumerate(codes):

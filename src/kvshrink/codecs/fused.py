@@ -59,16 +59,17 @@ def unavailable_reason() -> str | None:
     return _IMPORT_ERROR
 
 
-@functools.lru_cache(maxsize=4)
-def byte_levels(kind: str) -> np.ndarray:
-    """float32 ``[8 * 256, 8]``: for each code width ``w`` (rows ``(w-1)*256 ..``) and byte value, the unit
-    levels of the codes it packs (code ``m`` of the byte in column ``m``) when ``w`` divides 8; for the
-    other widths, the level of code value ``v`` in row ``v``, column 0."""
+@functools.lru_cache(maxsize=16)
+def byte_levels(kind: str, widths: tuple[int, ...]) -> np.ndarray:
+    """float32 ``[8 * 256, 8]``: for each code width ``w`` in ``widths`` (rows ``(w-1)*256 ..``; the other
+    rows zero) and byte value, the unit levels of the codes it packs (code ``m`` of the byte in column
+    ``m``) when ``w`` divides 8; for the other widths, the level of code value ``v`` in row ``v``, column 0.
+    Only the widths asked for: a Lloyd-Max width not yet used costs about a second to compute."""
     from .scalar_levels import unit_levels
 
     table = np.zeros((8 * 256, 8), np.float32)
     values = np.arange(256)
-    for width in range(1, 9):
+    for width in widths:
         levels = unit_levels(width, kind).numpy()
         rows = table[(width - 1) * 256: width * 256]
         if 8 % width == 0:
@@ -290,7 +291,7 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     bins = np.zeros((batch, heads, n_groups << v_bits, rows), np.float32)
     lse = np.empty((batch, heads, rows), np.float32)
     held = np.zeros((batch, heads, 0), np.int32) if hidden is None else _numpy(hidden.to(torch.int32))
-    lut = byte_levels(plan.level_kind)
+    lut = byte_levels(plan.level_kind, tuple(sorted({int(w) for w in plan.runs[..., 0].ravel() if w})))
     q, c, s = _numpy(query), _numpy(cos), _numpy(sin)
     with _thread_lock:  # numba's thread count is process-wide
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
