@@ -15,9 +15,9 @@ or values, a slice of tokens at a time:
    small product by the codebook.
 
 numba is optional: `available()` says whether it imported; callers keep their torch reference path
-and use it when it did not. The kernels run with ``torch.get_num_threads()`` threads (torch and the
-kernels never run at once, so they share the cores without oversubscription) and are compiled once
-per machine (``cache=True``; `warm_up` compiles them before anything is timed).
+and use it when it did not. The kernels run on one thread (`_kernel_threads`: next to torch's OpenMP
+pool a second numba thread measured slower) and are compiled once per machine (``cache=True``;
+`warm_up` compiles them before anything is timed).
 """
 
 from __future__ import annotations
@@ -251,6 +251,14 @@ if numba is not None:
 _thread_lock = threading.Lock()
 
 
+def _kernel_threads() -> int:
+    """numba's threads for a kernel: one. With torch's two OpenMP threads on a 2-core machine, numba's
+    second thread made Shard's decode 1.5x slower (`kvshrink eval cost`, 2K: 410 against 271 ms/token
+    with one; docs/results.md, "Session 9"): torch's pool keeps its cores between the batched products
+    and the kernels around them."""
+    return 1
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
@@ -294,7 +302,7 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     lut = byte_levels(plan.level_kind, tuple(sorted({int(w) for w in plan.runs[..., 0].ravel() if w})))
     q, c, s = _numpy(query), _numpy(cos), _numpy(sin)
     with _thread_lock:  # numba's thread count is process-wide
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        numba.set_num_threads(_kernel_threads())
         for first in range(0, n, _SLICE):
             m = min(_SLICE, n - first)
             coef = torch.empty(n_scopes, batch, m, rank)
@@ -313,7 +321,7 @@ def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     c = codebook.float()
     out = np.empty(x.shape[0], np.int32)
     with _thread_lock:
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        numba.set_num_threads(_kernel_threads())
         _nearest_codewords(_numpy(x.float()), _numpy(c.T), _numpy(c.pow(2).sum(1)), out)
     return torch.from_numpy(out)
 
