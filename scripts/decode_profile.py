@@ -37,5 +37,5 @@ stats = pstats.Stats(profile, stream=out)
 stats.sort_stats("tottime").print_stats(top)
 for line in out.getvalue().splitlines():
     parts = line.split(None, 5)
-    if len(parts) == 6 and parts[0].replace("/", "").isdigit():
+    if len(parts) == 6 and parts[0].replace("/", "").isdigit() and parts[1].replace(".", "").isdigit():
         print(f"{float(parts[1]) / steps * 1000:8.1f} ms/step  {int(parts[0].split('/')[0]) // steps:6d} calls  {parts[5]}")
