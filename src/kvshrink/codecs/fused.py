@@ -299,7 +299,7 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     bins = np.zeros((batch, heads, n_groups << v_bits, rows), np.float32)
     lse = np.empty((batch, heads, rows), np.float32)
     held = np.zeros((batch, heads, 0), np.int32) if hidden is None else _numpy(hidden.to(torch.int32))
-    lut = byte_levels(plan.level_kind, tuple(sorted({int(w) for w in plan.runs[..., 0].ravel() if w})))
+    lut = byte_levels(plan.level_kind, plan.widths)
     q, c, s = _numpy(query), _numpy(cos), _numpy(sin)
     with _thread_lock:  # numba's thread count is process-wide
         numba.set_num_threads(_kernel_threads())

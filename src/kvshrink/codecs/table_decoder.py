@@ -212,6 +212,7 @@ class SlotPlan:
     runs: object = None  # int32 numpy [S, max_runs, 4]: each scope's runs (bits, component, components, byte)
     run_counts: object = None  # int32 numpy [S]
     level_kind: str = "uniform"  # the codes' levels (`scalar_levels.COEFF_LEVELS`)
+    widths: tuple = ()  # the code widths the runs use, ascending
 
     def nbytes(self) -> int:
         arrays = [*self.slots, self.jobs, self.levels, self.runs, self.run_counts]
@@ -254,7 +255,8 @@ def slot_plan(codes: list[PCACode], columns: torch.Tensor | None = None, slot_bi
             runs[i, k] = (bits, a, b - a, byte_a)
     return SlotPlan(tuple(np.ascontiguousarray(t) for t in table) + (counts,),
                     np.array(jobs, np.int32).reshape(-1, 7), np.array([v for x in levels for v in x], np.float32),
-                    row, columns, runs, np.array([len(c.runs) for c in codes], np.int32), kinds.pop())
+                    row, columns, runs, np.array([len(c.runs) for c in codes], np.int32), kinds.pop(),
+                    tuple(sorted({run[0] for code in codes for run in code.runs})))
 
 
 def scaled_bases(codes: list[PCACode], columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
