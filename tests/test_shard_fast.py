@@ -96,8 +96,8 @@ def test_fast_and_reference_caches_decode_the_same_tokens():
 
 
 def test_the_coefficient_decoder_reads_every_run_layout():
-    """The fast path's coefficients (one byte-table lookup per byte of byte-aligned runs, shifts across
-    bytes for the 6-bit ones, zeros past a scope's rank) == the codes' own levels, and the keys built from
+    """The fast path's coefficients (one byte-table lookup per byte of byte-aligned runs, four levels
+    copied whatever the byte holds, shifts across bytes for the 6-bit ones, zeros past a scope's rank) == the codes' own levels, and the keys built from
     them == the codes' decode: 8-, 6-, 4- and 2-bit runs, both level kinds, two scopes of other ranks."""
     from kvshrink.codecs.table_decoder import scaled_bases
 
@@ -109,10 +109,11 @@ def test_the_coefficient_decoder_reads_every_run_layout():
                  encode_pca(x, fit, [6, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 0], levels=levels)]
         plan = slot_plan(codes)
         rank = max(c.rank for c in codes)
-        coef = torch.empty(len(codes), 2, 45, rank)
+        coef = torch.full((len(codes), 2, 45, rank + fused._SPARE), float("nan"))
         for s, code in enumerate(codes):
-            fused._coefficients(code.codes.numpy(), plan.runs[s], plan.run_counts[s], fused.byte_levels(levels, (2, 4, 6, 8)), 5,
-                                coef[s].numpy())
+            fused._coefficients(code.codes.numpy(), plan.byte_ops[s], plan.runs[s], plan.run_counts[s],
+                                fused.byte_levels(levels, (2, 4, 6, 8)), 5, coef[s].numpy())
+        coef = coef[..., :rank]  # the spare columns take what a run's last byte spills
         scaled, mean = scaled_bases(codes)
         for s, code in enumerate(codes):
             want = torch.cat([code.run_levels(run, 5, 50, torch.float32) for run in code.runs], dim=-1)

@@ -47,6 +47,8 @@ __all__ = ["available", "unavailable_reason", "code_attention", "nearest_codewor
 _CHUNK = 256
 # Tokens whose coefficients and keys are held at once (a few MB; 512..8192 measured within 10% at 8K).
 _SLICE = 4096
+# Spare coefficient columns past the rank: a byte's four levels are copied whole (see `_decode_rows`).
+_SPARE = 4
 # No fastmath "nnan"/"ninf": masked scores are -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -82,60 +84,53 @@ def byte_levels(kind: str, widths: tuple[int, ...]) -> np.ndarray:
 
 if numba is not None:
     @njit(cache=True, fastmath=_FASTMATH)
-    def _decode_rows(codes, runs, n_runs, lut, first, last, out):  # pragma: no cover - compiled
-        # coefficients (unit levels) of tokens first..last-1 of one scope into out[0 .. last-first]
-        top = 0
+    def _decode_rows(codes, ops, runs, n_runs, lut, first, last, out):  # pragma: no cover - compiled
+        # coefficients (unit levels) of tokens first..last-1 of one scope into out[0 .. last-first, :r + 4]
+        top, straddle = 0, False
         for k in range(n_runs):
-            bits, a, m, at = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 3]
-            base = (bits - 1) * 256
-            top = max(top, a + m)
-            # 2- and 4-bit runs (what the bit allocation picks most) are written out by hand: a loop over
-            # a byte's codes with a run-time count measured slower than these fixed ones (numba 0.68)
-            if bits == 2 and m % 4 == 0:
-                for t in range(first, last):
-                    for q in range(m // 4):
-                        v = base + codes[t, at + q]
-                        c = a + 4 * q
-                        out[t - first, c] = lut[v, 0]
-                        out[t - first, c + 1] = lut[v, 1]
-                        out[t - first, c + 2] = lut[v, 2]
-                        out[t - first, c + 3] = lut[v, 3]
-            elif bits == 4 and m % 2 == 0:
-                for t in range(first, last):
-                    for q in range(m // 2):
-                        v = base + codes[t, at + q]
-                        c = a + 2 * q
-                        out[t - first, c] = lut[v, 0]
-                        out[t - first, c + 1] = lut[v, 1]
-            elif 8 % bits == 0:
-                per = 8 // bits
-                for t in range(first, last):
-                    for i in range(m):
-                        out[t - first, a + i] = lut[base + codes[t, at + i // per], i % per]
-            else:  # codes straddle bytes
-                mask = (1 << bits) - 1
-                for t in range(first, last):
-                    for i in range(m):
-                        bit = i * bits
-                        byte, shift = at + (bit >> 3), bit & 7
-                        v = np.int32(codes[t, byte])
-                        if shift + bits > 8:
-                            v |= np.int32(codes[t, byte + 1]) << 8
-                        out[t - first, a + i] = lut[base + ((v >> shift) & mask), 0]
+            top = max(top, runs[k, 1] + runs[k, 2])
+            straddle |= 8 % runs[k, 0] != 0
+        rank = out.shape[1] - _SPARE
         for t in range(first, last):
-            for j in range(top, out.shape[1]):
-                out[t - first, j] = 0.0
+            o = out[t - first]
+            row = codes[t]
+            # a byte of a byte-aligned run: four levels copied whatever the byte holds (its table row is
+            # zero past its codes), which measured 2x faster than copying exactly its codes; what spills
+            # over is written again by the bytes and runs after it, or lands past the rank (the spare
+            # columns, or zeroed below)
+            for i in range(ops.shape[0]):
+                if ops[i, 0] >= 0:
+                    level = lut[np.uint64(ops[i, 0] + row[i])]
+                    at = np.uint64(ops[i, 1])
+                    o[at] = level[0]
+                    o[at + np.uint64(1)] = level[1]
+                    o[at + np.uint64(2)] = level[2]
+                    o[at + np.uint64(3)] = level[3]
+            for k in range(n_runs if straddle else 0):  # runs whose codes straddle bytes (3, 5, 6, 7 bits)
+                bits, a, m, at = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 3]
+                if 8 % bits == 0:
+                    continue
+                mask, base = (1 << bits) - 1, (bits - 1) * 256
+                for i in range(m):
+                    bit = i * bits
+                    byte, shift = at + (bit >> 3), bit & 7
+                    v = np.int32(row[byte])
+                    if shift + bits > 8:
+                        v |= np.int32(row[byte + 1]) << 8
+                    o[a + i] = lut[base + ((v >> shift) & mask), 0]
+            for j in range(top, rank):
+                o[j] = 0.0
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-    def _coefficients(codes, runs, n_runs, lut, first, coef):  # pragma: no cover - compiled
-        # one scope's codes [B, n, bytes] -> coef [B, m, r]: the unit levels of tokens first .. first+m-1
+    def _coefficients(codes, ops, runs, n_runs, lut, first, coef):  # pragma: no cover - compiled
+        # one scope's codes [B, n, bytes] -> coef [B, m, r + 4]: the unit levels of tokens first .. first+m-1
         batch, m = codes.shape[0], coef.shape[1]
         chunks = (m + _CHUNK - 1) // _CHUNK
         for job in prange(batch * chunks):
             b = job // chunks
             lo = first + (job % chunks) * _CHUNK
             hi = min(first + m, lo + _CHUNK)
-            _decode_rows(codes[b], runs, n_runs, lut, lo, hi, coef[b, lo - first:])
+            _decode_rows(codes[b], ops, runs, n_runs, lut, lo, hi, coef[b, lo - first:])
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
     def _rope_scores(keys, cos, sin, query, scaling, heads_per_scope, first, scores):  # pragma: no cover
@@ -168,63 +163,54 @@ if numba is not None:
                         scores[b, h, r, t] = dot * scaling
 
     @njit(cache=True, fastmath=_FASTMATH)
-    def _softmax_rows(scores, lse):  # pragma: no cover - compiled
-        # scores [R, n] -> probabilities in place, lse [R]
-        for r in range(scores.shape[0]):
-            row = scores[r]
-            top = -np.inf
-            for t in range(row.shape[0]):
-                top = max(top, row[t])
-            if top == -np.inf:  # every token held exact elsewhere: this part contributes nothing
-                lse[r] = -np.inf
-                row[:] = 0.0
-                continue
-            total = np.float32(0.0)
-            for t in range(row.shape[0]):
-                e = np.exp(row[t] - top)
-                row[t] = e
-                total += e
-            lse[r] = top + np.log(total)
-            inv = np.float32(1.0) / total
-            for t in range(row.shape[0]):
-                row[t] *= inv
+    def _hide(scores, hidden):  # pragma: no cover - compiled
+        # scores [B, H, R, n]: the rows hidden [B, H, m] (held apart from the codes) scored -inf
+        for b in range(scores.shape[0]):
+            for h in range(scores.shape[1]):
+                for i in range(hidden.shape[2]):
+                    for r in range(scores.shape[2]):
+                        scores[b, h, r, hidden[b, h, i]] = -np.inf
 
     @njit(cache=True, fastmath=_FASTMATH)
-    def _bin_rows(probs, v_codes, v_bits, n_groups, bins):  # pragma: no cover - compiled
-        # probs [R, n], v_codes [n, bytes] -> bins [groups * 2**v_bits, R] (rows last: one cache line)
+    def _bin_rows(probs, r0, v_codes, v_bits, n_groups, bins):  # pragma: no cover - compiled
+        # probabilities of rows r0 .. r0+3 of probs [R, n] (rows past R weigh 0) summed per value group and
+        # codeword into bins [groups * 2**v_bits, 4 * ceil(R / 4)] (the four rows side by side)
         rows, n = probs.shape
-        entries = 1 << v_bits
-        mask = entries - 1
-        p = np.empty(rows, np.float32)
+        flat = bins.ravel()
+        stride = np.uint64(bins.shape[1])
+        entries, mask = np.uint64(1 << v_bits), (1 << v_bits) - 1
+        w1 = np.float32(1.0 if r0 + 1 < rows else 0.0)
+        w2 = np.float32(1.0 if r0 + 2 < rows else 0.0)
+        w3 = np.float32(1.0 if r0 + 3 < rows else 0.0)
+        p0, p1, p2, p3 = probs[r0], probs[min(r0 + 1, rows - 1)], probs[min(r0 + 2, rows - 1)], probs[min(r0 + 3, rows - 1)]
+        col = np.uint64(r0)
         for t in range(n):
-            for r in range(rows):
-                p[r] = probs[r, t]
+            a, b, c, d = p0[t], p1[t] * w1, p2[t] * w2, p3[t] * w3
+            row = v_codes[t]
             for g in range(n_groups):
                 if v_bits == 8:
-                    code = np.int32(v_codes[t, g])
+                    code = np.uint64(row[g])
                 else:
                     bit = g * v_bits
                     at, shift = bit >> 3, bit & 7
-                    code = np.int32(v_codes[t, at])
+                    v = np.int32(row[at])
                     if shift + v_bits > 8:
-                        code |= np.int32(v_codes[t, at + 1]) << 8
-                    code = (code >> shift) & mask
-                col = g * entries + code
-                for r in range(rows):
-                    bins[col, r] += p[r]
+                        v |= np.int32(row[at + 1]) << 8
+                    code = np.uint64((v >> shift) & mask)
+                k = (np.uint64(g) * entries + code) * stride + col
+                flat[k] += a
+                flat[k + np.uint64(1)] += b
+                flat[k + np.uint64(2)] += c
+                flat[k + np.uint64(3)] += d
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-    def _value_bins(scores, hidden, v_codes, v_bits, n_groups, bins, lse):  # pragma: no cover - compiled
-        # scores [B, H, R, n] -> probabilities; bins [B, H, groups * 2**v_bits, R], lse [B, H, R]
-        batch, heads, rows, n = scores.shape
+    def _value_bins(probs, v_codes, v_bits, n_groups, bins):  # pragma: no cover - compiled
+        # probs [B, H, R, n] -> bins [B, H, groups * 2**v_bits, 4 * ceil(R / 4)] (rows last: one cache line)
+        batch, heads, rows = probs.shape[0], probs.shape[1], probs.shape[2]
         for job in prange(batch * heads):
             b, h = job // heads, job % heads
-            for i in range(hidden.shape[2]):
-                for r in range(rows):
-                    scores[b, h, r, hidden[b, h, i]] = -np.inf
-            _softmax_rows(scores[b, h], lse[b, h])
-            _bin_rows(scores[b, h], v_codes[b, h], v_bits, n_groups, bins[b, h])
-
+            for r0 in range(0, rows, 4):
+                _bin_rows(probs[b, h], r0, v_codes[b, h], v_bits, n_groups, bins[b, h])
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
     def _nearest_codewords(x, codebook_t, c_sq, out):  # pragma: no cover - compiled
@@ -296,23 +282,29 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     basis, start = scaled.contiguous(), mean.unsqueeze(1).contiguous()
     rank, width = basis.shape[1], basis.shape[2]
     scores = np.empty((batch, heads, rows, n), np.float32)
-    bins = np.zeros((batch, heads, n_groups << v_bits, rows), np.float32)
-    lse = np.empty((batch, heads, rows), np.float32)
-    held = np.zeros((batch, heads, 0), np.int32) if hidden is None else _numpy(hidden.to(torch.int32))
+    bins = np.zeros((batch, heads, n_groups << v_bits, -(-rows // 4) * 4), np.float32)
     lut = byte_levels(plan.level_kind, plan.widths)
     q, c, s = _numpy(query), _numpy(cos), _numpy(sin)
     with _thread_lock:  # numba's thread count is process-wide
         numba.set_num_threads(_kernel_threads())
         for first in range(0, n, _SLICE):
             m = min(_SLICE, n - first)
-            coef = torch.empty(n_scopes, batch, m, rank)
+            coef = torch.empty(n_scopes, batch, m, rank + _SPARE)
             for scope, (code, coef_s) in enumerate(zip(scopes, coef.numpy())):
-                _coefficients(code, plan.runs[scope], plan.run_counts[scope], lut, first, coef_s)
-            keys = torch.baddbmm(start, coef.view(n_scopes, batch * m, rank), basis)
+                _coefficients(code, plan.byte_ops[scope], plan.runs[scope], plan.run_counts[scope], lut, first,
+                              coef_s)
+            levels = coef[..., :rank].view(n_scopes, batch * m, rank)
+            keys = torch.baddbmm(start, levels, basis)
             _rope_scores(keys.view(n_scopes, batch, m, width).numpy(), c, s, q, np.float32(scaling),
                          heads_per_scope, first, scores)
-        _value_bins(scores, held, _numpy(v_codes), v_bits, n_groups, bins, lse)
-    return torch.from_numpy(bins).transpose(2, 3), torch.from_numpy(lse)
+        if hidden is not None and hidden.shape[-1]:
+            _hide(scores, _numpy(hidden.to(torch.int32)))
+        # torch's softmax: its exp is vectorised (numba's is not without SVML: 3x slower here)
+        logits = torch.from_numpy(scores)
+        lse = torch.logsumexp(logits, dim=-1)
+        logits.sub_(lse.clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1)).exp_()  # rows of -inf: zeros
+        _value_bins(scores, _numpy(v_codes), v_bits, n_groups, bins)
+    return torch.from_numpy(bins)[..., :rows].transpose(2, 3), lse
 
 
 def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
