@@ -150,3 +150,23 @@ def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):
         got = model(torch.tensor([[6]]), past_key_values=loaded).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert loaded.nbytes() == cache.nbytes()
+
+
+def test_the_value_pass_equals_the_torch_ops():
+    """`fused.bin_values` (codewords weighted by the bins, scaled, rotated back, in one pass) == the layer's
+    torch ops (`values_from_bins`), for 2-, 4- and 8-bit value codes."""
+    model = tiny_llama()
+    cache = kvshrink.make_cache("shard", model, sinks=2, window=4)
+    prefill(model, cache, torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0)))
+    layer = cache.layers[0]
+    block = layer.middle[0]
+    g = torch.Generator().manual_seed(1)
+    for entries in (4, 16, 256):
+        codebook = torch.randn(entries, block.v_codebook.shape[1], generator=g).half()
+        groups = layer.d // codebook.shape[1]
+        bins = torch.rand(2, layer.h_kv, 3, groups * entries, generator=g)
+        bins[bins < 0.3] = 0.0   # empty codewords, as most are for short blocks
+        probe = type(block)(**{**block.__dict__, "v_codebook": codebook})
+        want = layer.values_from_bins(probe, bins)
+        got = fused.bin_values(bins, codebook, block.v_scale, layer.shared.rotation.matrix(bins.device))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

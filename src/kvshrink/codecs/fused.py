@@ -41,7 +41,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "nearest_codewords", "warm_up"]
+__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "nearest_codewords", "warm_up"]
 
 # Tokens per parallel work item of the per-token passes (enough to amortise scheduling, small enough to share).
 _CHUNK = 256
@@ -212,6 +212,33 @@ if numba is not None:
             for r0 in range(0, rows, 4):
                 _bin_rows(probs[b, h], r0, v_codes[b, h], v_bits, n_groups, bins[b, h])
 
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _bin_values(bins, codebook_t, scale, rotation, out):  # pragma: no cover - compiled
+        # bins [B, H, R, groups * K] -> out [B, H, R, d]: (sum_k bins * codebook[k]) * scale, then @ rotation.T
+        # (codebook_t [group, K]: every sum is a contiguous dot product)
+        batch, heads, rows = bins.shape[0], bins.shape[1], bins.shape[2]
+        group, k_entries = codebook_t.shape
+        d = out.shape[3]
+        rotated = np.empty(d, np.float32)
+        for b in range(batch):
+            for h in range(heads):
+                for r in range(rows):
+                    row = bins[b, h, r]
+                    for j in range(d):
+                        g, i = j // group, j % group
+                        part = row[g * k_entries:(g + 1) * k_entries]
+                        code = codebook_t[i]
+                        acc = np.float32(0.0)
+                        for k in range(k_entries):
+                            acc += part[k] * code[k]
+                        rotated[j] = acc * scale[h, j]
+                    for e in range(d):
+                        back = rotation[e]
+                        acc = np.float32(0.0)
+                        for j in range(d):
+                            acc += rotated[j] * back[j]
+                        out[b, h, r, e] = acc
+
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
     def _nearest_codewords(x, codebook_t, c_sq, out):  # pragma: no cover - compiled
         # x [N, g], codebook_t [g, k]: out[i] = argmin_j ||c_j||^2 - 2 x_i.c_j (the first of equal ones)
@@ -307,6 +334,17 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     return torch.from_numpy(bins)[..., :rows].transpose(2, 3), lse
 
 
+def bin_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Attention output ``[B, H_kv, R, d]`` (float32, CPU) from `code_attention`'s ``bins [B, H_kv, R,
+    groups * K]``: each group's probability-weighted codewords (``codebook [K, group]``), times ``scale
+    [H_kv, d]``, rotated back (``@ rotation.T``): the value side of the block in one pass instead of a
+    handful of small torch ops per layer and step."""
+    b, h, r, _ = bins.shape
+    out = np.empty((b, h, r, scale.shape[-1]), np.float32)
+    _bin_values(_numpy(bins), _numpy(codebook.float().T), _numpy(scale.float()), _numpy(rotation.float()), out)
+    return torch.from_numpy(out)
+
+
 def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """int32 index of the nearest row of ``codebook [k, g]`` for each row of ``x [N, g]`` (CPU, float32):
     `codecs.vq.assign_codes` in one pass, no ``N x k`` distance block written to memory."""
@@ -331,4 +369,5 @@ def warm_up() -> None:
     code_attention(code.codes.unsqueeze(1), slot_plan([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
                    torch.ones(1, 2, 1), torch.zeros(1, 2, 1), torch.zeros(1, 1, 1, 2), 1.0, None,
                    torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1)
+    bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))
     nearest_codewords(torch.zeros(1, 2), torch.zeros(2, 2))

@@ -316,7 +316,7 @@ class ShardLayer(CacheLayer):
         bins, lse = fused.code_attention(
             [code.codes for code in block.keys], plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden,
             block.v_codes, int(math.log2(k_entries)), self.d // group, halves=True)
-        out = self.values_from_bins(block, bins)
+        out = fused.bin_values(bins, block.v_codebook, block.v_scale, self.shared.rotation.matrix(bins.device))
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
 
     def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
