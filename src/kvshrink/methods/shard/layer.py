@@ -155,11 +155,16 @@ class ShardLayer(CacheLayer):
         inside = ring.slots > self.cfg.window
         if inside:
             ring.put(key, value)
-        parts = [part for part in (ring.partial(query, ctx.scaling),) if part is not None]
+        salient = [block.salient for block in self.middle if block.salient is not None]
+        # on CPU the salient tokens are attended with the ring's in one call (a few dozen rows per block:
+        # one kernel and one partial fewer per block); the GPU path reads their 8-bit codes in its kernel
+        together = bool(salient) and not backend.gpu_path(query)
+        extra = [tokens.key_values(ring.dtype) for tokens in salient] if together else []
+        parts = [part for part in (ring.partial(query, ctx.scaling, extra),) if part is not None]
         if not inside:
             parts.append(self._chunk_partial(query, key, value, ctx))
-        parts += salient_partials(query, [block.salient for block in self.middle if block.salient is not None],
-                                  ctx.scaling, ring.dtype)
+        if not together:
+            parts += salient_partials(query, salient, ctx.scaling, ring.dtype)
         out = merge_partials(parts + self.code_partials(query, ctx), query.dtype).out
         self.decoding = True
         self.ring_commit(ring, None if inside else (key, value))

@@ -64,16 +64,22 @@ class ExactRing:
         self.start += 1
         return self.kv[:, :, :, at:at + 1], index
 
-    def partial(self, query: torch.Tensor, scaling: float) -> Partial | None:
-        """Exact attention of ``query`` over every token held (None when empty)."""
+    def partial(self, query: torch.Tensor, scaling: float,
+                extra: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> Partial | None:
+        """Exact attention of ``query`` over every token held and the ``extra`` keys and values (tokens
+        the query sees all of, in the ring's dtype: attended in the same call), None when there are none."""
         live = self.n_sinks + self.count
-        if live == 0:
-            return None
         if live == self.keys.shape[2]:
-            return exact_partial(query, self.keys, self.values, scaling)
-        if self.head == 0:  # a window still filling: the live rows come first
-            return exact_partial(query, self.keys[:, :, :live], self.values[:, :, :live], scaling)
-        keys, values = self._in_order()  # a free slot inside the ring
+            keys, values = self.keys, self.values
+        elif self.head == 0:  # a window still filling: the live rows come first
+            keys, values = self.keys[:, :, :live], self.values[:, :, :live]
+        else:
+            keys, values = self._in_order()  # a free slot inside the ring
+        if extra:
+            keys = torch.cat([keys, *(k for k, _ in extra)], dim=2)
+            values = torch.cat([values, *(v for _, v in extra)], dim=2)
+        if keys.shape[2] == 0:
+            return None
         return exact_partial(query, keys, values, scaling)
 
     def _window_positions(self) -> torch.Tensor:
