@@ -170,3 +170,21 @@ def test_the_value_pass_equals_the_torch_ops():
         want = layer.values_from_bins(probe, bins)
         got = fused.bin_values(bins, codebook, block.v_scale, layer.shared.rotation.matrix(bins.device))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_one_pass_stream_attention_equals_the_torch_ops(bits):
+    """`fused.turbo_attention` (scores, softmax and weighted sum straight from TurboQuant codes) == the torch
+    ops Shard's stream partial uses otherwise (`inner_products`, softmax, `weighted_sum`)."""
+    from kvshrink.codecs.lloyd_max import TurboQuantizer
+    from kvshrink.methods.shard.layer import _softmax_part
+
+    g = torch.Generator().manual_seed(bits)
+    turbo = TurboQuantizer(16, bits, seed=3)
+    assert fused.turbo_supported(turbo) and not fused.turbo_supported(TurboQuantizer(16, bits, qjl=True))
+    keys, values = (turbo.encode(torch.randn(2, 3, 7, 16, generator=g)) for _ in range(2))
+    query = torch.randn(2, 3, 4, 16, generator=g)
+    out, lse = fused.turbo_attention(turbo, query, keys, values, 0.25)
+    probs, want_lse = _softmax_part(turbo.inner_products(query, keys) * 0.25)
+    torch.testing.assert_close(out, turbo.weighted_sum(probs, values), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)

@@ -41,7 +41,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "nearest_codewords", "warm_up"]
+__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "turbo_attention", "turbo_supported",
+           "nearest_codewords", "warm_up"]
 
 # Tokens per parallel work item of the per-token passes (enough to amortise scheduling, small enough to share).
 _CHUNK = 256
@@ -239,6 +240,56 @@ if numba is not None:
                             acc += rotated[j] * back[j]
                         out[b, h, r, e] = acc
 
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _unpack_row(row, per_byte, vec):  # pragma: no cover - compiled
+        # one vector's codes (bytes of 8 // bits codes) -> their centroids, in vec
+        per = per_byte.shape[1]
+        for j in range(row.shape[0]):
+            levels = per_byte[row[j]]
+            for m in range(per):
+                vec[j * per + m] = levels[m]
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _turbo_attention(q, k_codes, k_norm, v_codes, v_norm, per_byte, scaling, out, lse):  # pragma: no cover
+        # rotated queries q [B, H, R, d] over n TurboQuant-coded keys and values [B, H, n, bytes] (norms
+        # [B, H, n]) -> out [B, H, R, d] (rotated domain), lse [B, H, R]
+        batch, heads, rows, d = q.shape
+        n = k_codes.shape[2]
+        scores = np.empty((rows, n), np.float32)
+        vec = np.empty(k_codes.shape[3] * per_byte.shape[1], np.float32)
+        for b in range(batch):
+            for h in range(heads):
+                for t in range(n):
+                    _unpack_row(k_codes[b, h, t], per_byte, vec)
+                    weight = k_norm[b, h, t] * scaling
+                    for r in range(rows):
+                        qr = q[b, h, r]
+                        acc = np.float32(0.0)
+                        for e in range(d):
+                            acc += qr[e] * vec[e]
+                        scores[r, t] = acc * weight
+                for r in range(rows):
+                    row = scores[r]
+                    top = -np.inf
+                    for t in range(n):
+                        top = max(top, row[t])
+                    total = np.float32(0.0)
+                    for t in range(n):
+                        row[t] = np.exp(row[t] - top)
+                        total += row[t]
+                    lse[b, h, r] = top + np.log(total)
+                    for e in range(d):
+                        out[b, h, r, e] = 0.0
+                    for t in range(n):
+                        row[t] /= total
+                for t in range(n):
+                    _unpack_row(v_codes[b, h, t], per_byte, vec)
+                    for r in range(rows):
+                        p = scores[r, t] * v_norm[b, h, t]
+                        o = out[b, h, r]
+                        for e in range(d):
+                            o[e] += p * vec[e]
+
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)
     def _nearest_codewords(x, codebook_t, c_sq, out):  # pragma: no cover - compiled
         # x [N, g], codebook_t [g, k]: out[i] = argmin_j ||c_j||^2 - 2 x_i.c_j (the first of equal ones)
@@ -345,6 +396,27 @@ def bin_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor, 
     return torch.from_numpy(out)
 
 
+def turbo_supported(turbo) -> bool:
+    """Whether `turbo_attention` reads this `codecs.lloyd_max.TurboQuantizer`'s codes: widths dividing a byte, no
+    QJL sketch."""
+    return available() and 8 % turbo.bits == 0 and not turbo.qjl
+
+
+def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped ``query [B, H_kv, R, d]`` over TurboQuant-coded ``keys`` and ``values``
+    (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors) on CPU, in one pass: ``(out [B, H_kv, R, d]
+    float32, lse [B, H_kv, R])``, what ``turbo.inner_products``, a softmax and ``turbo.weighted_sum`` give,
+    without decoding the codes into tensors (`turbo_supported` says when it applies)."""
+    b, h, r, d = query.shape
+    per_byte = turbo._tables(query.device)[3]
+    out = np.empty((b, h, r, d), np.float32)
+    lse = np.empty((b, h, r), np.float32)
+    _turbo_attention(_numpy(turbo.rotation.rotate(query.float())), _numpy(keys.codes), _numpy(keys.norm.float()),
+                     _numpy(values.codes), _numpy(values.norm.float()), _numpy(per_byte), np.float32(scaling),
+                     out, lse)
+    return turbo.rotation.unrotate(torch.from_numpy(out)), torch.from_numpy(lse)
+
+
 def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """int32 index of the nearest row of ``codebook [k, g]`` for each row of ``x [N, g]`` (CPU, float32):
     `codecs.vq.assign_codes` in one pass, no ``N x k`` distance block written to memory."""
@@ -370,4 +442,9 @@ def warm_up() -> None:
                    torch.ones(1, 2, 1), torch.zeros(1, 2, 1), torch.zeros(1, 1, 1, 2), 1.0, None,
                    torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1)
     bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))
+    from .lloyd_max import TurboQuantizer
+
+    turbo = TurboQuantizer(4, 4)
+    code = turbo.encode(torch.ones(1, 1, 1, 4))
+    turbo_attention(turbo, torch.ones(1, 1, 1, 4), code, code, 1.0)
     nearest_codewords(torch.zeros(1, 2), torch.zeros(2, 2))

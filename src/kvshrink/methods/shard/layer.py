@@ -409,6 +409,9 @@ class ShardLayer(CacheLayer):
                                        scaling)
             return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
         qg = group_queries(query.float(), self.h_kv)
+        if self.use_fast_kernel(query) and fused.turbo_supported(turbo):
+            out, lse = fused.turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling)
+            return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
         probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
         out = turbo.weighted_sum(probs, self.stream.values)
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
