@@ -69,9 +69,10 @@ class ShardConfig:
     observe: int = option(32, "last prompt queries whose attention picks the salient and the evicted tokens", low=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
-    kernel: str = option("fast", "middle-segment decode on CPU: 'fast' (numba kernels around one batched "
-                         "product per slice of tokens, when kvshrink[fast] is installed; else the torch ops) or "
-                         "'reference' (torch ops, the tests' oracle); the same answers up to float rounding. On "
+    kernel: str = option("fast", "compressed-segment decode on CPU: 'fast' (numba kernels: the middle around "
+                         "one batched product per slice of tokens, its values and the stream in one pass each, "
+                         "when kvshrink[fast] is installed; else the torch ops) or 'reference' (torch ops, the "
+                         "tests' oracle); the same answers up to float rounding. On "
                          "CUDA tensors Triton kernels decode the middle and the stream whatever this says (when "
                          "Triton is installed: kvshrink[gpu]; else the torch ops)", choices=KERNELS)
 
