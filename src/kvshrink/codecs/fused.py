@@ -10,9 +10,11 @@ or values, a slice of tokens at a time:
    over lookup tables did not reach, ``docs/results.md``), kept only for the slice;
 3. per token: RoPE (channels as two halves, real then imaginary parts: contiguous vector operations)
    and the scores against the grouped queries;
-4. per KV head: the softmax of all the block's scores (held rows masked), and its probabilities
-   summed per value codeword and channel group (the value VQ codes), so the caller finishes with one
-   small product by the codebook.
+4. per KV head: the softmax of all the block's scores (held rows masked; torch's vectorised exp), and
+   its probabilities summed per value codeword and channel group (the value VQ codes), which
+   `bin_values` turns into the attention output (one small product by the codebook, scales, rotation).
+
+`turbo_attention` does the same for TurboQuant-coded tokens (Shard's decode stream) in one pass.
 
 numba is optional: `available()` says whether it imported; callers keep their torch reference path
 and use it when it did not. The kernels run on one thread (`_kernel_threads`: next to torch's OpenMP
@@ -377,7 +379,7 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
                          heads_per_scope, first, scores)
         if hidden is not None and hidden.shape[-1]:
             _hide(scores, _numpy(hidden.to(torch.int32)))
-        # torch's softmax: its exp is vectorised (numba's is not without SVML: 3x slower here)
+        # torch's softmax: its exp is vectorised (numba's is not without SVML: about 4x slower here)
         logits = torch.from_numpy(scores)
         lse = torch.logsumexp(logits, dim=-1)
         logits.sub_(lse.clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1)).exp_()  # rows of -inf: zeros
@@ -408,7 +410,7 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float) ->
     float32, lse [B, H_kv, R])``, what ``turbo.inner_products``, a softmax and ``turbo.weighted_sum`` give,
     without decoding the codes into tensors (`turbo_supported` says when it applies)."""
     b, h, r, d = query.shape
-    per_byte = turbo._tables(query.device)[3]
+    _, _, _, per_byte = turbo._tables(query.device)   # the centroids of each byte's codes, as decode_rotated reads them
     out = np.empty((b, h, r, d), np.float32)
     lse = np.empty((b, h, r), np.float32)
     _turbo_attention(_numpy(turbo.rotation.rotate(query.float())), _numpy(keys.codes), _numpy(keys.norm.float()),
