@@ -97,8 +97,9 @@ def test_fast_and_reference_caches_decode_the_same_tokens():
 
 def test_the_coefficient_decoder_reads_every_run_layout():
     """The fast path's coefficients (one byte-table lookup per byte of byte-aligned runs, four levels
-    copied whatever the byte holds, shifts across bytes for the 6-bit ones, zeros past a scope's rank) == the codes' own levels, and the keys built from
-    them == the codes' decode: 8-, 6-, 4- and 2-bit runs, both level kinds, two scopes of other ranks."""
+    copied whatever the byte holds, shifts across bytes for the 6-bit ones, zeros past a scope's rank)
+    == the codes' own levels, and the keys built from them == the codes' decode: 8-, 6-, 4- and 2-bit
+    runs, both level kinds, two scopes of other ranks."""
     from kvshrink.codecs.table_decoder import scaled_bases
 
     g = torch.Generator().manual_seed(0)
