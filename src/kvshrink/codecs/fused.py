@@ -147,7 +147,7 @@ if numba is not None:
             b = job // chunks
             lo = first + (job % chunks) * _CHUNK
             hi = min(first + m, lo + _CHUNK)
-            rows64 = coef64[b, lo - first:] if coef64.shape[0] else coef64[0, :0]
+            rows64 = coef64[b, lo - first:] if coef64.shape[0] else np.empty((0, 0), np.int64)
             _decode_rows(codes[b], ops, runs, n_runs, lut, lut64, lo, hi, coef[b, lo - first:], rows64)
 
     @njit(parallel=True, cache=True, fastmath=_FASTMATH)

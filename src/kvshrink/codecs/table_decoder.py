@@ -3,6 +3,7 @@ and the run layout the fused kernel decodes slot by slot (`SlotPlan`)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -217,9 +218,10 @@ class SlotPlan:
     # row of its width in `codecs.fused.byte_levels` and its first component (scope s's first byte_op_counts[s])
     byte_op_counts: object = None  # int32 numpy [S]
 
-    @property
+    @functools.cached_property
     def even_byte_columns(self) -> bool:
-        """Whether every byte op starts at an even component (its levels copied as 8-byte words)."""
+        """Whether every byte op starts at an even component (its levels copied as 8-byte words); found once,
+        not at every decode step."""
         return not (self.byte_ops[..., 2] % 2).any()
 
     def scope_byte_ops(self, scope: int):
