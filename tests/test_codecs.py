@@ -332,6 +332,14 @@ def test_the_one_pass_codeword_search_equals_the_torch_ops():
     cb = gaussian_codebook(4, 256, seed=0)
     got = assign_codes(x, cb, out_dtype=torch.int32)
     assert got.dtype == torch.int32 and torch.equal(got.long(), assign_codes_torch(x, cb))
+    # ties keep the first codeword (a row at distance 0 from duplicated codewords, -0.0 against +0.0 included),
+    # and negative, zero and positive distances are ordered as floats
+    dup = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [3.0, 0.0], [1.0, 0.0]])
+    rows = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.5, 0.5], [0.0, 0.0], [2.9, 0.1], [-1.0, 0.0]])
+    assert assign_codes(rows, dup).tolist() == assign_codes_torch(rows, dup).tolist() == [1, 0, 0, 0, 3, 1]
+    for k in (2, 16, 256):
+        small = gaussian_codebook(4, k, seed=1)
+        assert torch.equal(assign_codes(x[:3000], small), assign_codes_torch(x[:3000], small))
 
 
 def test_pca_column_scale_is_multiplied_back_on_decode():
