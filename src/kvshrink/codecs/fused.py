@@ -308,7 +308,7 @@ if numba is not None:
                         for e in range(d):
                             o[e] += p * vec[e]
 
-    @njit(parallel=True, cache=True, fastmath=_FASTMATH)
+    @njit(parallel=True, cache=True, fastmath=_FASTMATH - {"reassoc"})
     def _nearest_codewords(x, codebook_t, c_sq, out):  # pragma: no cover - compiled
         # x [N, g], codebook_t [g, k <= 256]: out[i] = argmin_j ||c_j||^2 - 2 x_i.c_j (the first of equal
         # ones; finite rows: NaN is refused before compression)
@@ -319,12 +319,21 @@ if numba is not None:
             dist = np.empty(k, np.float32)
             bits = dist.view(np.int32)
             for i in range(job * 1024, min(n, job * 1024 + 1024)):
-                for j in range(k):
-                    dist[j] = c_sq[j]
-                for e in range(g):
-                    w = np.float32(-2.0) * x[i, e]
+                if g == 4:  # the default group: one pass over the codewords (2.5x faster than four)
+                    w0, w1 = np.float32(-2.0) * x[i, 0], np.float32(-2.0) * x[i, 1]
+                    w2, w3 = np.float32(-2.0) * x[i, 2], np.float32(-2.0) * x[i, 3]
+                    for j in range(k):  # the same sum, in the same order, as the passes below
+                        d = c_sq[j] + w0 * codebook_t[0, j]
+                        d = d + w1 * codebook_t[1, j]
+                        d = d + w2 * codebook_t[2, j]
+                        dist[j] = d + w3 * codebook_t[3, j]
+                else:
                     for j in range(k):
-                        dist[j] += w * codebook_t[e, j]
+                        dist[j] = c_sq[j]
+                    for e in range(g):
+                        w = np.float32(-2.0) * x[i, e]
+                        for j in range(k):
+                            dist[j] += w * codebook_t[e, j]
                 # the minimum as one integer reduction (vectorised; a compare-and-branch loop over the
                 # floats stayed scalar and took 3/4 of the search): each distance's bits mapped to an
                 # integer of the same order (-0.0 and +0.0 equal), its index below them so ties keep the
