@@ -166,6 +166,18 @@ def test_model_without_rope_is_refused():
         kvshrink.make_cache("shard", model)
 
 
+@pytest.mark.parametrize("key_bits,rank,want", [(2.0, 0, 8), (1.0, 0, 4), (2.5, 0, 10), (2.0, 12, 12)])
+def test_keys_keep_one_component_per_four_bits_of_budget_unless_rank_is_given(key_bits, rank, want):
+    model = tiny_llama()  # head size 16, one PCA per head
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=key_bits, rank=rank)
+    prefill(model, cache, torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0)))
+    for layer in cache.layers:
+        assert layer.key_rank(16) == want
+        for code in layer.middle[0].keys:
+            assert code.basis_q.shape[-1] == code.rank <= want  # the DP may drop some of them
+    check_equivalence(cache, 1)
+
+
 def test_global_key_budget_follows_spectra():
     from kvshrink.methods.shard import allocate_layer_budgets
 

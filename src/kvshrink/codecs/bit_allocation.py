@@ -1,8 +1,10 @@
 """DP bit allocation over groups of PCA components.
 
 `allocate_bits(variances, sizes, budget)` chooses bits in ``choices`` (default `PCA_BITS`, {0, 2, 4, 6,
-8}) per group of components minimising the modelled error ``g / (3 * 4**b)`` (``b > 0``) or
-``drop_penalty * g`` (``b = 0``; dropping a direction is penalised, 4x by default) subject to
+8}) per group of components minimising the modelled error: ``D(b) * g`` for a group of summed variance
+``g`` coded at ``b > 0`` bits, where ``D(b)`` is the measured error of the coefficient quantizer on a unit
+Gaussian (`scalar_levels.gaussian_distortion`: 0.117 at 2 bits with Lloyd-Max levels), and
+``drop_penalty * g`` for a dropped group (its whole variance; 1 = plain squared error), subject to
 ``sum(size * bits) <= budget``. Exact DP over the budget in units of the gcd of the costs. Several
 layers can share one pool: pass all their groups at once.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .scalar_levels import gaussian_distortion
 
 # The widths a component may be coded at (0 = dropped): the allocation's default choices and what
 # `codecs.pca.encode_pca` accepts.
@@ -33,14 +37,15 @@ def group_variances(variances: torch.Tensor, sizes: list[int]) -> list[float]:
     return out
 
 
-def modelled_error(g: float, bits: int, drop_penalty: float = 4.0) -> float:
-    """The DP's error model for a group of summed variance ``g`` coded at ``bits``."""
-    return drop_penalty * g if bits == 0 else g / (3.0 * 4.0 ** bits)
+def modelled_error(g: float, bits: int, drop_penalty: float = 1.0, levels: str = "lloyd") -> float:
+    """The DP's error model for a group of summed variance ``g`` coded at ``bits`` with ``levels``."""
+    return drop_penalty * g if bits == 0 else g * gaussian_distortion(bits, levels)
 
 
 def allocate_bits(variances: list[float], sizes: list[int], budget: int, *,
-                  choices: tuple[int, ...] = PCA_BITS, drop_penalty: float = 4.0) -> list[int]:
-    """Bits per group minimising the summed modelled error with ``sum(size*bits) <= budget``.
+                  choices: tuple[int, ...] = PCA_BITS, drop_penalty: float = 1.0, levels: str = "lloyd") -> list[int]:
+    """Bits per group minimising the summed modelled error with ``sum(size*bits) <= budget``
+    (``levels``: the coefficient quantizer's `scalar_levels.unit_levels` kind).
 
     Exact dynamic programme; ``choices`` must contain 0 so a zero budget is feasible.
     """
@@ -65,7 +70,7 @@ def allocate_bits(variances: list[float], sizes: list[int], budget: int, *,
         for j, (b, c) in enumerate(zip(choices, row)):
             u = c // unit
             if u <= cap:
-                cand[j, u:] = best[: cap + 1 - u] + modelled_error(g, b, drop_penalty)
+                cand[j, u:] = best[: cap + 1 - u] + modelled_error(g, b, drop_penalty, levels)
         best, picks[i] = cand.min(dim=0)
     bits, u = [0] * len(sizes), cap
     for i in range(len(sizes) - 1, -1, -1):

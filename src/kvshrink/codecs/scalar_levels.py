@@ -39,6 +39,20 @@ def gaussian_uniform_step(bits: int) -> float:
 COEFF_LEVELS = ("uniform", "lloyd")
 
 
+@functools.lru_cache(maxsize=None)
+def gaussian_distortion(bits: int, kind: str) -> float:
+    """Mean squared error of a unit Gaussian coded at ``bits`` with `unit_levels` ``kind`` and the step
+    the encoder starts from (the Gaussian-optimal one for ``uniform``, 1 for ``lloyd``): the error per
+    unit of variance that the bit allocation weighs (numerical integration)."""
+    z = torch.linspace(-9, 9, 36001, dtype=torch.float64)
+    w = torch.exp(-0.5 * z * z)
+    w /= w.sum()
+    step = gaussian_uniform_step(bits) if kind == "uniform" else 1.0
+    levels = unit_levels(bits, kind).double() * step
+    codes = quantize_unit((z / step).float(), bits, kind).long()
+    return float((w * (z - levels[codes]) ** 2).sum())
+
+
 def unit_levels(bits: int, kind: str, device=None) -> torch.Tensor:
     """Reconstruction value of each code ``0 .. 2**bits-1`` for a unit step.
 

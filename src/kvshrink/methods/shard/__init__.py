@@ -7,10 +7,11 @@ stream:
   tokens, exact in ``exact_dtype`` (the model's dtype for 16-bit models, fp16 for fp32 ones, by default).
 * **middle** (prompt tokens that leave the window during prefill), one block per prefill chunk:
   - K: RoPE undone exactly; centred PCA per KV head (``pca_scope="head"``, the default) or of the
-    keys of all KV heads stacked per token (``pca_scope="layer"``, the source's choice); bits per
-    group of ``pca_group`` components from {0, 2, 4, 6, 8} by the DP of
-    `codecs.bit_allocation.allocate_bits` (4x penalty for dropping) under the layer's budget; int8
-    basis with per-column scales;
+    keys of all KV heads stacked per token (``pca_scope="layer"``, the source's choice), one component
+    per 4 bits of the scope's budget by default (``rank``); bits per group of ``pca_group`` components
+    from {0, 2, 4, 6, 8} by the DP of `codecs.bit_allocation.allocate_bits` (each width's measured
+    Gaussian error against a dropped group's variance) under the layer's budget; int8 basis with
+    per-column scales;
     bit-packed coefficients with per-component steps scaled from their spread: the ``2**b``
     Lloyd-Max levels of a Gaussian by default (``k_levels="lloyd"``: 4 levels at 2 bits where
     symmetric ints use 3) or the source's symmetric ints (``k_levels="uniform"``).

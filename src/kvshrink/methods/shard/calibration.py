@@ -37,7 +37,7 @@ def pre_rope_key_spectra(model: torch.nn.Module, info, input_ids: torch.Tensor) 
 
 
 def allocate_layer_budgets(spectra: list[torch.Tensor], key_bits: float, group: int,
-                           drop_penalty: float = 4.0) -> list[float]:
+                           drop_penalty: float = 1.0, levels: str = "lloyd") -> list[float]:
     """Bits per key element for each layer: one DP over the component groups of all layers, with each
     layer's variances normalised by its total (relative error), under ``key_bits`` on average."""
     variances, sizes, owner = [], [], []
@@ -48,7 +48,8 @@ def allocate_layer_budgets(spectra: list[torch.Tensor], key_bits: float, group: 
         sizes += layer_sizes
         owner += [layer] * len(layer_sizes)
     dim = spectra[0].shape[0]
-    bits = allocate_bits(variances, sizes, int(round(key_bits * dim * len(spectra))), drop_penalty=drop_penalty)
+    bits = allocate_bits(variances, sizes, int(round(key_bits * dim * len(spectra))), drop_penalty=drop_penalty,
+                         levels=levels)
     per_layer = [0.0] * len(spectra)
     for layer, b, size in zip(owner, bits, sizes):
         per_layer[layer] += b * size / dim
@@ -62,4 +63,4 @@ def global_key_budgets(model: torch.nn.Module, info, cfg: ShardConfig) -> list[f
     ids = torch.randint(0, vocab, (1, cfg.calibration_tokens), generator=g)
     spectra = pre_rope_key_spectra(model, info, ids)
     group = cfg.pca_group or max(1, info.num_kv_heads * info.head_dim // 16)
-    return allocate_layer_budgets(spectra, cfg.key_bits, group, cfg.drop_penalty)
+    return allocate_layer_budgets(spectra, cfg.key_bits, group, cfg.drop_penalty, cfg.k_levels)

@@ -35,12 +35,15 @@ class ShardConfig:
     v_sample: int = option(8192, "group vectors sampled to refine the codebook when v_fit='kmeans' "
                            "(>= v_codebook)", low=2)
     pca_group: int = option(0, "PCA components per DP bit-allocation group (0 = H_kv*d/16)", low=0)
-    rank: int = option(0, "PCA components computed per scope (0 = all)", low=0)
+    rank: int = option(0, "PCA components computed per scope (0 = one per 4 bits of the scope's key budget: "
+                       "key_bits * width / 4)", low=0)
     pca_scope: str = option("head", "one key PCA per 'layer' (all KV heads stacked, as the source) or per 'head' "
                             "(3x cheaper to decode with 3 KV heads)", choices=PCA_SCOPES)
     k_levels: str = option("lloyd", "key coefficient levels: 'lloyd' (2**b Gaussian Lloyd-Max levels) or "
                            "'uniform' (symmetric ints, the source's int4)", choices=COEFF_LEVELS)
-    drop_penalty: float = option(4.0, "error multiplier for dropping a component group in the DP", low=1)
+    drop_penalty: float = option(1.0, "error multiplier for dropping a component group in the DP (1: the "
+                                 "squared error it adds, weighed against each width's measured quantization "
+                                 "error)", low=1)
     stream_bits: int = option(4, "TurboQuant bits for tokens leaving the window during decode", choices=STREAM_BITS)
     qjl: bool = option(False, "add a 1-bit QJL residual sketch to the decode stream")
     seed: int = option(0, "seed of the rotations and codebooks")

@@ -26,6 +26,12 @@ from kvshrink.methods.shard.shared import ShardShared
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
 _MIN_QUERY_WEIGHT = 1e-2
 
+# Default PCA components per scope: one per this many bits of its key budget. Measured on the 8K perplexity
+# text (KL to full): fewer components at more bits each beat the squared-error-optimal allocation over all
+# of them at 1.5, 2 and 2.5 bits per element (docs/results.md, "Session 12"), and the product that rebuilds
+# the keys shrinks with them.
+_BITS_PER_COMPONENT = 4
+
 # Tokens of one head whose values are rotated and coded at once (bounds compression's transient memory).
 _VALUE_ROWS = 2048
 
@@ -459,8 +465,18 @@ class ShardLayer(CacheLayer):
         variances = [g for v, sz in zip(spectra, sizes) for g in group_variances(v, sz)]
         flat_sizes = [s for sz in sizes for s in sz]
         budget = int(round(self.shared.layer_key_bits[self.layer_idx] * dim))
-        bits = iter(allocate_bits(variances, flat_sizes, budget, drop_penalty=self.cfg.drop_penalty))
+        bits = iter(allocate_bits(variances, flat_sizes, budget, drop_penalty=self.cfg.drop_penalty,
+                                  levels=self.cfg.k_levels))
         return [[b for s in sz for b in [next(bits)] * s] for sz in sizes]
+
+    def key_rank(self, width: int) -> int:
+        """PCA components fitted per scope of ``width`` columns: ``rank``, or by default one per
+        `_BITS_PER_COMPONENT` bits of the scope's budget (the bit allocation then spreads the budget over
+        them)."""
+        if self.cfg.rank:
+            return min(self.cfg.rank, width)
+        budget = self.shared.layer_key_bits[self.layer_idx] * width
+        return max(1, min(width, int(budget // _BITS_PER_COMPONENT)))
 
     def query_pair_energy(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[H_kv, d]``: mean squared query of each KV head's group per RoPE pair (both channels of a
@@ -532,7 +548,7 @@ class ShardLayer(CacheLayer):
                 kept_rows(undo_rope(key, cos, sin), rows, 2).transpose(1, 2).reshape(b, n, h * d)
             return x if scales[s] is None else x.div_(scales[s].float())
 
-        rank = min(self.cfg.rank or width, width)
+        rank = self.key_rank(width)
         fits = [fit_pca(scope_rows(s).reshape(b * n, width), rank, seed=self.cfg.seed) for s in range(scopes)]
         bits = self.key_bits_per_component([f.variances for f in fits])
         # RoPE is undone again rather than kept from the fits: one scope's keys are alive at a time
