@@ -12,6 +12,14 @@ import torch
 from .bitpack import byte_codes
 
 
+def _gaussian_grid() -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, w)``: points of ``[-9, 9]`` and their unit-Gaussian weights (summing to 1), for expectations
+    by numerical integration."""
+    z = torch.linspace(-9, 9, 36001, dtype=torch.float64)
+    w = torch.exp(-0.5 * z * z)
+    return z, w / w.sum()
+
+
 @functools.lru_cache(maxsize=None)
 def gaussian_uniform_step(bits: int) -> float:
     """MSE-optimal step of the symmetric mid-tread quantizer with levels ``[-qmax, qmax]``
@@ -19,9 +27,7 @@ def gaussian_uniform_step(bits: int) -> float:
     qmax = (1 << (bits - 1)) - 1
     if qmax < 1:
         raise ValueError(f"symmetric quantization needs bits >= 2, got {bits}")
-    z = torch.linspace(-9, 9, 36001, dtype=torch.float64)
-    w = torch.exp(-0.5 * z * z)
-    w /= w.sum()
+    z, w = _gaussian_grid()
 
     def mse(step: float) -> float:
         q = torch.clamp(torch.round(z / step), -qmax, qmax) * step
@@ -44,9 +50,7 @@ def gaussian_distortion(bits: int, kind: str) -> float:
     """Mean squared error of a unit Gaussian coded at ``bits`` with `unit_levels` ``kind`` and the step
     the encoder starts from (the Gaussian-optimal one for ``uniform``, 1 for ``lloyd``): the error per
     unit of variance that the bit allocation weighs (numerical integration)."""
-    z = torch.linspace(-9, 9, 36001, dtype=torch.float64)
-    w = torch.exp(-0.5 * z * z)
-    w /= w.sum()
+    z, w = _gaussian_grid()
     step = gaussian_uniform_step(bits) if kind == "uniform" else 1.0
     levels = unit_levels(bits, kind).double() * step
     codes = quantize_unit((z / step).float(), bits, kind).long()
