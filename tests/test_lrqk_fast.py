@@ -78,6 +78,41 @@ def test_fused_factor_step_equals_torch():
     torch.testing.assert_close(fused_bk, new_b_k, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.parametrize("copies", [1, 2])
+@pytest.mark.parametrize("window", [0, 5])
+def test_resident_sums_made_in_the_kernel_equal_the_gathered_ones(copies, window):
+    """``resident_decode_step`` reads the resident rows in place (chosen slots, empty slots skipped, the
+    window's factor rows at the end of the factors): the same step as ``decode_step`` given the sums
+    of the gathered rows."""
+    g = torch.Generator().manual_seed(1)
+    kv_rows, heads, d, r, slots, tokens = 2, 3, 16, 4, 6, 30
+    n = kv_rows * copies
+    q, k = torch.randn(n, heads, d, generator=g), torch.randn(n, d, generator=g)
+    b_q, b_k = torch.randn(n, r, d, generator=g), torch.randn(n, r, d, generator=g)
+    factors = torch.randn(n, tokens, r, generator=g).half()
+    token = torch.randint(0, tokens - window, (kv_rows, slots), generator=g)
+    token[0, 2] = -1                                               # an empty slot
+    chosen = torch.rand(kv_rows, slots, generator=g) > 0.3
+    slot_keys = torch.randn(kv_rows, slots, d, generator=g).half()
+    win_keys = torch.randn(kv_rows, window, d, generator=g).half()
+    lhs, rhs = [], []
+    for i in range(n):
+        h = i // copies
+        take = chosen[h] & (token[h] >= 0)
+        a = torch.cat([factors[i, token[h][take]], factors[i, tokens - window:]]).float()
+        keys = torch.cat([slot_keys[h][take], win_keys[h]]).float()
+        lhs.append(a.T @ a)
+        rhs.append((q[i] @ keys.T) @ a)
+    want = lowrank_fused.decode_step(q, k, b_q, b_k, torch.stack(lhs), torch.stack(rhs), 1.0, True)
+    given = factors.clone(), slot_keys.clone()
+    got = lowrank_fused.resident_decode_step(q, k, b_q.clone(), b_k.clone(), factors, token, chosen, slot_keys,
+                                             win_keys, tokens - window, copies, 1.0, True)
+    assert torch.equal(factors, given[0]) and torch.equal(slot_keys, given[1])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def _random_selections(g, rows, k, steps=12):
     for _ in range(steps):
         pool = torch.randint(0, 12, (rows, 3 * k), generator=g)      # a small pool: many hits

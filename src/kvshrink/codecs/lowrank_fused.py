@@ -5,8 +5,9 @@
 ``q̂``/``k̂`` (float64, ``r x r`` solves by Gaussian elimination with partial pivoting, the same ridge)
 and the bases' exact-line-search step. The work is a few
 thousand flops per head; in torch it is ~150 small ops per layer and step, which cost ~30x the
-arithmetic. The sums over the resident tokens (``AᵀA`` and ``(q·K)A``, the only parts that grow with
-the number of resident tokens) stay in torch, where they are two batched matrix products.
+arithmetic. ``resident_decode_step`` also makes the sums over the resident tokens (``AᵀA`` and
+``(q·K)A``, the only parts that grow with the number of resident tokens) in the same call, reading the
+resident rows where they lie (slots chosen last step, the window) instead of gathering them first.
 
 numba is optional (``kvshrink[fast]``): ``available()`` says whether the kernel can run; callers keep
 the torch functions otherwise. The kernel runs on one thread (its work is too small to share) and is
@@ -20,7 +21,7 @@ import torch
 
 from kvshrink.codecs import fused
 
-__all__ = ["available", "decode_step", "warm_up"]
+__all__ = ["available", "decode_step", "resident_decode_step", "warm_up"]
 
 _RIDGE = 1e-9          # lowrank._ridge_solve's relative ridge
 _TINY = 1e-30
@@ -178,6 +179,59 @@ if fused.available():
                 b_q[n] = _line_search(bq, qh, qn).astype(np.float32)
                 b_k[n] = _line_search(bk, kh.reshape(1, r), kn).astype(np.float32)
 
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _take_resident(q, a, key, column, a_t, scores):  # pragma: no cover - compiled
+        """Resident token ``column``: its factor row ``a [r]`` into ``a_t [r, :]``, its scores ``q·key`` into
+        ``scores [G, :]``."""
+        for i in range(a.shape[0]):
+            a_t[i, column] = a[i]
+        for g in range(q.shape[0]):
+            s = np.float32(0.0)
+            for t in range(q.shape[1]):
+                s += q[g, t] * key[t]
+            scores[g, column] = s
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _resident_decode_step(q, k, b_q, b_k, factors, slot_token, slot_chosen, slot_keys, win_keys, win_start,
+                              copies, lam, iters, update_bases, q_hat, k_hat):  # pragma: no cover - compiled
+        """``_decode_step`` with the resident sums made here: over the slots chosen last step and the window
+        (factor rows ``win_start..`` of ``factors``), factor head ``n`` reading KV row ``n // copies``. The
+        resident rows are laid out along tokens first (``a_t [r, n]``, ``scores [G, n]``) so both sums are
+        dot products along tokens (vectorised), float32 as the torch path's products."""
+        n_heads, g_rows, _ = q.shape
+        r = factors.shape[2]
+        n_slots, n_win = slot_token.shape[1], win_keys.shape[1]
+        lhs = np.empty((n_heads, r, r), np.float32)
+        rhs = np.empty((n_heads, g_rows, r), np.float32)
+        a_t = np.empty((r, n_slots + n_win), np.float32)
+        scores = np.empty((g_rows, n_slots + n_win), np.float32)
+        for n in range(n_heads):
+            h = n // copies
+            m = 0
+            for s in range(n_slots):
+                t = slot_token[h, s]
+                if slot_chosen[h, s] and t >= 0:
+                    _take_resident(q[n], factors[n, t], slot_keys[h, s], m, a_t, scores)
+                    m += 1
+            for w in range(n_win):
+                _take_resident(q[n], factors[n, win_start + w], win_keys[h, w], m, a_t, scores)
+                m += 1
+            for i in range(r):
+                for j in range(i, r):
+                    acc = np.float32(0.0)
+                    for c in range(m):
+                        acc += a_t[i, c] * a_t[j, c]
+                    lhs[n, i, j] = acc
+                    lhs[n, j, i] = acc
+            for g in range(g_rows):
+                for i in range(r):
+                    acc = np.float32(0.0)
+                    for c in range(m):
+                        acc += scores[g, c] * a_t[i, c]
+                    rhs[n, g, i] = acc
+        _decode_step(q, k, b_q, b_k, lhs, rhs, lam, iters, update_bases, q_hat, k_hat)
+
+
 def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor,
                 resident_lhs: torch.Tensor, resident_rhs: torch.Tensor, lam: float, update_bases: bool,
                 iters: int = 2, in_place: bool = False
@@ -202,6 +256,32 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: 
     return torch.from_numpy(q_hat), torch.from_numpy(k_hat), new_b_q, new_b_k
 
 
+def resident_decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor,
+                         factors: torch.Tensor, slot_token: torch.Tensor, slot_chosen: torch.Tensor,
+                         slot_keys: torch.Tensor, window_keys: torch.Tensor, window_start: int, copies: int,
+                         lam: float, update_bases: bool, iters: int = 2
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``decode_step`` with the resident tokens' sums made in the same compiled call (saves the ~15 torch
+    ops that gather and multiply them). Contiguous float32 bases take the step in place.
+
+    ``factors [N, n, r]``: every token's key factors per factor head; the resident tokens are those of the
+    slots ``slot_chosen [R, S]`` marks (token ``slot_token [R, S]``, key ``slot_keys [R, S, d]``) and the window
+    (keys ``window_keys [R, W, d]``, factor rows ``window_start .. window_start + W - 1``); factor head ``n``
+    reads row ``n // copies`` (R = N / copies). Float tensors are read as float32."""
+    n, g, _ = query.shape
+    r = b_q.shape[1]
+    q_hat = np.empty((n, g, r))
+    k_hat = np.empty((n, r))
+    new_b_q, new_b_k = (b if _is_kernel_basis(b) else _basis_copy(b) for b in (b_q, b_k))
+    _resident_decode_step(_array(query), _array(key), new_b_q.numpy(), new_b_k.numpy(), _array(factors),
+                          slot_token.contiguous().numpy(), slot_chosen.contiguous().numpy(), _array(slot_keys),
+                          _array(window_keys), int(window_start), int(copies), float(lam), int(iters),
+                          bool(update_bases), q_hat, k_hat)
+    if not update_bases:
+        new_b_q, new_b_k = b_q, b_k
+    return torch.from_numpy(q_hat), torch.from_numpy(k_hat), new_b_q, new_b_k
+
+
 def _is_kernel_basis(b: torch.Tensor) -> bool:
     return b.dtype == torch.float32 and b.is_contiguous() and not b.requires_grad
 
@@ -220,3 +300,6 @@ def warm_up() -> None:
         return
     b = torch.eye(2, 4).unsqueeze(0)
     decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b, b, torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), 1.0, True)
+    resident_decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b.clone(), b.clone(), torch.ones(1, 3, 2),
+                         torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 1, 4),
+                         torch.ones(1, 1, 4), 1, 1, 1.0, True)

@@ -200,6 +200,7 @@ class LRQKLayer(CacheLayer):
         self.fit_objective: list[float] = []
         self._query: torch.Tensor | None = None
         self._k_hat: torch.Tensor | None = None
+        self._step_factors: torch.Tensor | None = None   # a decode step's float32 key factors (fast CPU path)
         self._prefetched = None
         self._overflow: torch.Tensor | None = None    # GPU path: deferred float16 range checks
         self.counters = new_counters()
@@ -248,6 +249,7 @@ class LRQKLayer(CacheLayer):
                 self._select_and_fill(query, ctx, candidates)
             out = self._resident_attention(query, key, value, ctx, candidates)
         self._pending = None
+        self._step_factors = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
 
@@ -373,9 +375,21 @@ class LRQKLayer(CacheLayer):
         f = self.a_k.shape[1]
         q = self._factor_queries(query).reshape(b * f, -1, d).float()
         k = self._factor_keys(self._pending[0]).reshape(b * f, d).float()
-        lhs, rhs = self._resident_sums(q, b, f) if self.fit_resident else (None, None)
         gpu = self._on_gpu_path(query)
-        if lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu:
+        compiled = lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu
+        if compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
+            self._step_factors = self.a_k.float()     # read again by this step's proxy scores
+            n_win = self.win_k.shape[2] if self.win_k is not None else 0
+            win_k = self.win_k.reshape(-1, n_win, d) if n_win else self.slots.keys.new_zeros(self.slots.rows, 0, d)
+            q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.resident_decode_step(
+                q, k, self.b_q, self.b_k, self._step_factors.view(b * f, -1, self.rank), self.slots.token,
+                self.slots.chosen, self.slots.keys, win_k, self.a_len - n_win, self.copies, self.lam,
+                self.update_bases)
+            self._q_hat = q_hat.reshape(b, f, -1, self.rank)
+            self._k_hat = k_hat.reshape(b, f, self.rank)
+            return
+        lhs, rhs = self._resident_sums(q, b, f) if self.fit_resident else (None, None)
+        if compiled:
             if lhs is None:
                 lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
             # in place: the layer owns its bases (copies of a cache are deep copies)
@@ -446,7 +460,8 @@ class LRQKLayer(CacheLayer):
             q = self._factor_queries(self._query).float()            # [B, F, G/c, d]
             logits = (q @ keys.to(q.device).transpose(-1, -2)) * ctx.scaling
         else:
-            a = self.a_k[:, :, :candidates].float()                  # [B, F, n, r]
+            factors = getattr(self, "_step_factors", None)
+            a = (self.a_k if factors is None else factors)[:, :, :candidates].float()   # [B, F, n, r]
             logits = (self._q_hat.float() @ a.transpose(-1, -2)) * ctx.scaling   # [B, F, G/c, n]
         if ctx.pad_len is not None:
             pad = torch.arange(candidates, device=logits.device)[None, :] < ctx.pad_len.to(logits.device)[:, None]
