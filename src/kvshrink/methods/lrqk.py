@@ -515,19 +515,30 @@ class LRQKLayer(CacheLayer):
         hkv = self.info.num_kv_heads
         rows, device = b * hkv, self.slots.keys.device
         slots = candidates > 0
-        keys, values = ([self.slots.keys], [self.slots.values]) if slots else ([], [])
         n_win = self.win_k.shape[2] if self.win_k is not None else 0
-        if n_win:
-            keys.append(self.win_k.reshape(rows, n_win, d))
-            values.append(self.win_v.reshape(rows, n_win, d))
-        keys.append(key.reshape(rows, 1, d).to(device))
-        values.append(value.reshape(rows, 1, d).to(device))
+        keys = self._resident_rows_in(query.dtype, self.slots.keys if slots else None, self.win_k, key)
+        values = self._resident_rows_in(query.dtype, self.slots.values if slots else None, self.win_v, value)
         visible = None if self._every_key_visible(ctx, candidates) else self._visible_keys(ctx, slots, n_win)
         folded_q = query.reshape(rows, hq // hkv, q, d).to(device)
-        out = F.scaled_dot_product_attention(folded_q, torch.cat(keys, 1).unsqueeze(1).to(query.dtype),
-                                             torch.cat(values, 1).unsqueeze(1).to(query.dtype), attn_mask=visible,
+        out = F.scaled_dot_product_attention(folded_q, keys.unsqueeze(1), values.unsqueeze(1), attn_mask=visible,
                                              scale=ctx.scaling, enable_gqa=True)
         return out.reshape(b, hq, q, d).to(query.device)
+
+    def _resident_rows_in(self, dtype: torch.dtype, slot_rows: torch.Tensor | None, window: torch.Tensor | None,
+                          new: torch.Tensor) -> torch.Tensor:
+        """``[rows, S + W + 1, d]`` in ``dtype``: the slots' rows (if given), the window's and the new token's,
+        each copied once into place (a ``cat`` of the stored dtype and the new token's converts twice and
+        takes a slow mixed-dtype path)."""
+        rows, d = self.slots.rows, new.shape[-1]
+        parts = ([slot_rows] if slot_rows is not None else []) + \
+            ([window.reshape(rows, -1, d)] if window is not None and window.shape[2] else [])
+        parts.append(new.reshape(rows, 1, d))
+        out = torch.empty(rows, sum(p.shape[1] for p in parts), d, dtype=dtype, device=self.slots.keys.device)
+        start = 0
+        for part in parts:
+            out[:, start: start + part.shape[1]].copy_(part)
+            start += part.shape[1]
+        return out
 
     def _every_key_visible(self, ctx: StepContext, candidates: int) -> bool:
         """Whether the attention needs no mask: no left padding, and either no slots are read or every slot
