@@ -249,7 +249,6 @@ class LRQKLayer(CacheLayer):
                 self._select_and_fill(query, ctx, candidates)
             out = self._resident_attention(query, key, value, ctx, candidates)
         self._pending = None
-        self._step_factors = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
 
@@ -377,6 +376,7 @@ class LRQKLayer(CacheLayer):
         k = self._factor_keys(self._pending[0]).reshape(b * f, d).float()
         gpu = self._on_gpu_path(query)
         compiled = lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu
+        self._step_factors = None
         if compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
             self._step_factors = self.a_k.float()     # read again by this step's proxy scores
             n_win = self.win_k.shape[2] if self.win_k is not None else 0
@@ -466,7 +466,9 @@ class LRQKLayer(CacheLayer):
         if ctx.pad_len is not None:
             pad = torch.arange(candidates, device=logits.device)[None, :] < ctx.pad_len.to(logits.device)[:, None]
             logits = logits.masked_fill(pad[:, None, None, :], float("-inf"))
-        mass = torch.softmax(logits, dim=-1).nan_to_num(0.0)       # per query head, over candidates
+        mass = torch.softmax(logits, dim=-1)                       # per query head, over candidates
+        if ctx.pad_len is not None:      # a row whose candidates are all padding: NaN -> no mass
+            mass = mass.nan_to_num(0.0)
         mass = mass.reshape(b, hkv, -1, candidates).sum(dim=2)     # [B, H_kv, n]
         k = min(self.top_k, candidates)
         top_mass, top_idx = torch.topk(mass, k, dim=-1, sorted=False)
@@ -614,6 +616,7 @@ class LRQKLayer(CacheLayer):
             self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
         self._query = None
         self._k_hat = None
+        self._step_factors = None   # a_k has changed
 
     def _update_window(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.window == 0:
