@@ -113,6 +113,24 @@ def test_resident_sums_made_in_the_kernel_equal_the_gathered_ones(copies, window
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+def test_eviction_order_is_a_stable_sort():
+    """The fill's eviction order (one pass when the finite priorities are equal, as under ``set``) is
+    ``argsort(kind="mergesort")`` for equal, mixed and infinite priorities."""
+    import numpy as np
+
+    from kvshrink.methods.lrqk_tiers import _eviction_order
+
+    rng = np.random.default_rng(0)
+    cases = [np.zeros(7), np.array([np.inf, 0, -np.inf, 0, np.inf, -np.inf, 0]), np.full(5, np.inf),
+             np.array([2.0, -np.inf, 2.0, np.inf]), np.array([1.0, 0.0, -np.inf, 1.0, np.inf, 0.5]),
+             np.array([0.0, np.nan, -np.inf])]
+    cases += [rng.choice([-np.inf, 0.0, 3.0, np.inf], size=40) for _ in range(20)]
+    cases += [np.where(rng.random(40) < 0.5, 0.0, rng.choice([-np.inf, np.inf], size=40)) for _ in range(20)]
+    for priority in cases:
+        assert np.array_equal(_eviction_order(priority), np.argsort(priority, kind="mergesort")), priority
+
+
 def _random_selections(g, rows, k, steps=12):
     for _ in range(steps):
         pool = torch.randint(0, 12, (rows, 3 * k), generator=g)      # a small pool: many hits

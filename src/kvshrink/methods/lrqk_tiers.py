@@ -585,6 +585,32 @@ if fused.available():
     from numba import njit
 
     @njit(cache=True)
+    def _eviction_order(priority):  # pragma: no cover - compiled
+        """``np.argsort(priority, kind="mergesort")`` (stable); in one pass when every finite priority is the
+        same (the ``set`` policy: empty slots, then the others, then the selected ones, each in slot order)."""
+        n = priority.shape[0]
+        level = np.nan
+        for s in range(n):
+            p = priority[s]
+            if np.isnan(p):
+                return np.argsort(priority, kind="mergesort")
+            if np.isfinite(p):
+                if np.isnan(level):
+                    level = p
+                elif p != level:
+                    return np.argsort(priority, kind="mergesort")
+        order = np.empty(n, np.int64)
+        m = 0
+        for rank in range(3):   # -inf, finite, +inf
+            for s in range(n):
+                p = priority[s]
+                kind = 0 if p == -np.inf else (2 if p == np.inf else 1)
+                if kind == rank:
+                    order[m] = s
+                    m += 1
+        return order
+
+    @njit(cache=True)
     def _plan_fill(token, score, selected, chosen, span):  # pragma: no cover - compiled
         """``SlotTier.select``'s bookkeeping for every row: the missing tokens take the first slots in
         eviction order (empty slots, then by policy value, stable; selected residents never move).
@@ -609,7 +635,7 @@ if fused.available():
                 else:
                     slot_of[t] = s
                     priority[s] = np.inf if in_selection[t] else score[r, s]
-            order = np.argsort(priority, kind="mergesort")
+            order = _eviction_order(priority)
             used = 0
             for j in range(k):
                 t = selected[r, j]
