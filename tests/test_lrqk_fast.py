@@ -191,6 +191,41 @@ def test_planned_fill_checks_the_float16_range_as_torch(planted):
 
 
 @pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+def test_compiled_float16_conversion_rounds_as_torch():
+    """The fill's float32 -> float16 conversion (``_copy_rows``, on the words) gives torch's bits for every
+    float16 value, the float32 values just beside each one and the midpoints between neighbours (ties to
+    even), subnormals, zeros, the overflow boundary (65504, 65519.99, 65520), infinities, and random
+    values over the whole exponent range; a NaN stays a NaN."""
+    import numpy as np
+
+    from kvshrink.methods import lrqk_tiers
+
+    halves = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    halves = halves[~torch.isnan(halves)].float()
+    f32 = halves.view(torch.int32)
+    beside = torch.cat([f32 - 1, f32 + 1]).view(torch.float32)
+    finite = halves[torch.isfinite(halves)].sort().values
+    midpoints = ((finite[1:].double() + finite[:-1].double()) / 2).float()
+    g = torch.Generator().manual_seed(0)
+    random = torch.randint(-2**31, 2**31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 2.0**-25, 2.0**-25 * 1.0001,
+                            2.0**-24 * 1.5, 2.0**-14, 2.0**-14 * (1 - 2**-12), float("inf"), float("-inf")])
+    x = torch.cat([halves, beside, midpoints, random, special])
+    x = x[~torch.isnan(x)]
+    n = x.numel()
+    bits = x.view(torch.int32).numpy().view(np.uint32).reshape(n, 1, 1, 1).repeat(2, axis=2)
+    keys, values = np.zeros((n, 1), np.uint16), np.zeros((n, 1), np.uint16)
+    order = np.arange(n, dtype=np.int64)
+    lrqk_tiers._copy_rows(bits, np.zeros(n, np.int64), order, order, keys, values, True)
+    want = x.to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(keys[:, 0], want) and np.array_equal(values[:, 0], want)
+    nan = np.array([0x7FC00000, 0xFF800001, 0x7F800001], np.uint32).reshape(3, 1, 1, 1).repeat(2, axis=2)
+    out = np.zeros((3, 1), np.uint16)
+    lrqk_tiers._copy_rows(nan, np.zeros(3, np.int64), np.arange(3), np.arange(3), out, out.copy(), True)
+    assert torch.isnan(torch.from_numpy(out.view(np.int16)).view(torch.float16)).all()
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("policy", ["set", "lru", "attention"])
 def test_planned_slot_fill_places_rows_as_torch(policy):
     """The compiled fill planner puts every row in the same slot as the torch bookkeeping, for every

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvshrink.cache.store import _FP16_MAX, check_fp16_peak, held_bytes, storage_overflow_check, to_storage
+from kvshrink.cache.store import _FP16_MAX, check_fp16_peak, held_bytes, to_storage
 from kvshrink.codecs import fused
 
 POLICIES = ("set", "lru", "attention")
@@ -139,19 +139,26 @@ class SlowTier:
             self._check_rows(row, token, picked)
         return picked
 
-    def gather_with_peak(self, row: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, float | None]:
-        """``gather`` and the rows' largest magnitude (NaN if one is NaN: ``amax``'s answer), read in one
-        compiled pass where it can run (a host tier of float32 rows, numba installed); elsewhere ``gather``
-        and a None peak (the caller checks the rows itself). Saves the fast fill's index arithmetic,
-        ``index_select`` and range check as separate torch ops."""
-        if not (_compiled_gather(self) and row.device.type == "cpu" and token.device.type == "cpu"):
-            return self.gather(row, token), None
-        out = torch.empty((token.numel(), 2, self.head_dim), dtype=self.dtype)
+    def copy_rows_to(self, row: torch.Tensor, token: torch.Tensor, flat: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> bool:
+        """``keys[flat[i]]`` and ``values[flat[i]]`` (host ``[n, d]`` tensors) take the K and V of rows
+        ``(row[i], token[i])`` in one compiled pass, converted to their dtype: the same rows and values as
+        ``gather`` then ``to_storage`` and an ``index_copy_``, including its float16 overflow error. Runs
+        where it can (numba, host rows of 2- or 4-byte words, the destination of the same dtype or float16
+        from float32, no per-row checks of a subclass); returns False, having copied nothing, elsewhere."""
+        narrow = self.dtype == torch.float32 and keys.dtype == torch.float16
+        if not (fused.available() and (narrow or keys.dtype == self.dtype) and self.data.device.type == "cpu"
+                and self.data.element_size() in _SAME_SIZE_UINT and type(self)._check_rows is SlowTier._check_rows):
+            return False
         with self._lock:
             self._settle()
-            largest = _gather_rows(self.data.view(torch.int32).numpy(), row.numpy(), token.numpy(),
-                                   out.view(torch.int32).numpy())
-        return out, _magnitude_of_bits(largest)
+            words = _SAME_SIZE_UINT[self.data.element_size()]
+            slot_words = _SAME_SIZE_UINT[keys.element_size()]
+            largest, _ = _copy_rows(_uint_view(self.data, words), row.numpy(), token.numpy(), flat.numpy(),
+                                 _uint_view(keys, slot_words), _uint_view(values, slot_words), narrow)
+        if narrow and _F32_FP16_OVERFLOW_BITS <= largest <= _F32_INF_BITS:
+            check_fp16_peak(float(np.array(largest, dtype=np.uint32).view(np.float32)))
+        return True
 
     def gather_to(self, flat: torch.Tensor, device: torch.device,
                   given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -431,11 +438,22 @@ class SlotTier:
         self.chosen = chosen
         moved = 0
         if tokens.numel():
-            fill, peak = slow.gather_with_peak(row_idx, tokens)
-            moved = fill.numel() * fill.element_size()
-            self._write_rows(flat, _narrowed(fill, self.keys.dtype, peak))
+            moved = 2 * tokens.numel() * slow.head_dim * slow.data.element_size()
+            if not self._copy_rows_in_place(slow, row_idx, tokens, flat):
+                self._write_rows(flat, to_storage(slow.gather(row_idx, tokens), self.keys.dtype))
         self._update_policy_state(selected, mass, slow.length)
         return FillReport(selected=rows * k, missed=int(tokens.numel()), bytes_moved=moved)
+
+    def _copy_rows_in_place(self, slow: SlowTier, row_idx: torch.Tensor, tokens: torch.Tensor,
+                            flat: torch.Tensor) -> bool:
+        """Slot ``flat[i]`` takes the K and V of token ``tokens[i]``, row ``row_idx[i]``, read from the slow tier
+        and written in the slots' dtype in one compiled pass (no gathered copy, no separate conversion and
+        scatter), where it can run: host rows of the slots' dtype, or float32 rows into float16 slots (the
+        overflow check made on the words copied). Returns False (nothing copied) elsewhere."""
+        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.keys.device.type == "cpu"):
+            return False
+        d = self.keys.shape[-1]
+        return slow.copy_rows_to(row_idx, tokens, flat, self.keys.view(-1, d), self.values.view(-1, d))
 
     def _write_rows(self, flat: torch.Tensor, fill: torch.Tensor) -> None:
         """Slot ``flat[i]`` (``row * capacity + slot``) takes K ``fill[i, 0]`` and V ``fill[i, 1]`` (the
@@ -659,22 +677,79 @@ if fused.available():
                 in_selection[selected[r, j]] = False
         return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
 
-    @njit(cache=True)
-    def _gather_rows(bits, row_idx, tokens, out):  # pragma: no cover - compiled
-        """``out[i] = bits[tokens[i], row_idx[i]]`` (a token's K and V rows, float32 read as int32 bits);
-        returns the largest of the copied bits without the sign: the largest magnitude's bit pattern,
-        above ``_F32_INF_BITS`` when a NaN is among them. An integer maximum vectorises; a float one
-        that must also notice NaNs does not."""
+    @njit(cache=True, inline="always")
+    def _half_bits(x):  # pragma: no cover - compiled
+        """float16 bits of the float32 whose bits are ``x`` (an int64), rounded to nearest even as torch's
+        conversion rounds: overflow to inf, subnormals, signed zeros, NaN kept a (quiet) NaN."""
+        sign = (x >> 16) & 0x8000
+        a = x & 0x7FFFFFFF
+        if a >= 0x7F800000:                     # inf, NaN
+            return sign | (0x7E00 if a > 0x7F800000 else 0x7C00)
+        if a >= 0x477FF000:                     # >= 65520: beyond float16's largest after rounding
+            return sign | 0x7C00
+        if a >= 0x38800000:                     # a normal float16: rebias the exponent, round the mantissa
+            return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
+        if a <= 0x33000000:                     # at most 2**-25: half the smallest subnormal rounds to 0
+            return sign
+        shift = 126 - (a >> 23)                 # a subnormal float16: the mantissa's 24 bits shifted
+        m = (a & 0x7FFFFF) | 0x800000
+        r = m >> shift
+        rest = m & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rest > half or (rest == half and (r & 1) == 1):
+            r += 1
+        return sign | r
+
+    @njit(cache=True, fastmath=True)
+    def _narrow_row(src, dst):  # pragma: no cover - compiled
+        """``dst`` (float16 words) from ``src`` (float32 words): every word by the normal-range formula in one
+        vectorised pass, then word by word (``_half_bits``) if any lies outside that range (zeros, subnormals,
+        overflow, inf, NaN: rare in keys and values). Returns the largest word without its sign."""
         largest = 0
+        outside = False
+        for t in range(src.shape[0]):
+            x = np.int64(src[t])
+            a = x & 0x7FFFFFFF
+            largest = max(largest, a)
+            outside |= (a < 0x38800000) | (a >= 0x477FF000)
+            dst[t] = ((x >> 16) & 0x8000) | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
+        if outside:
+            for t in range(src.shape[0]):
+                dst[t] = _half_bits(np.int64(src[t]))
+        return largest
+
+    @njit(cache=True)
+    def _touch_rows(bits, row_idx, tokens, flat, keys, values):  # pragma: no cover - compiled
+        """Read one word of every cache line ``_copy_rows`` will read or write, first: rows scattered over the slow
+        tier are far apart in memory, and loads with no work between them are in flight together (the copy's
+        own loop waits for each row in turn). Returns a sum so the loads are kept."""
+        total = 0
+        k_step, b_step = 64 // keys.itemsize, 64 // bits.itemsize
         for i in range(tokens.shape[0]):
             src = bits[tokens[i], row_idx[i]]
-            dst = out[i]
-            for j in range(src.shape[0]):
-                for t in range(src.shape[1]):
-                    v = src[j, t]
-                    dst[j, t] = v
-                    largest = max(largest, v & 0x7FFFFFFF)
-        return largest
+            for t in range(0, src.shape[1], b_step):
+                total += src[0, t] + src[1, t]
+            for t in range(0, keys.shape[1], k_step):
+                total += keys[flat[i], t] + values[flat[i], t]
+        return total
+
+    @njit(cache=True)
+    def _copy_rows(bits, row_idx, tokens, flat, keys, values, narrow):  # pragma: no cover - compiled
+        """``keys[flat[i]]`` and ``values[flat[i]]`` take the K and V of ``bits[tokens[i], row_idx[i]]``
+        (``bits [T, rows, 2, d]``: the slow tier's words as unsigned integers), converted from float32 to
+        float16 when ``narrow``, else copied as they are. Returns the largest float32 word copied without
+        its sign when ``narrow`` (the largest magnitude's bits; above ``_F32_INF_BITS`` for a NaN), else 0, and
+        ``_touch_rows``'s sum (returned so that its loads are not optimised away)."""
+        largest = 0
+        touched = _touch_rows(bits, row_idx, tokens, flat, keys, values)
+        for i in range(tokens.shape[0]):
+            src = bits[tokens[i], row_idx[i]]
+            if narrow:
+                largest = max(largest, _narrow_row(src[0], keys[flat[i]]), _narrow_row(src[1], values[flat[i]]))
+            else:
+                keys[flat[i]] = src[0]
+                values[flat[i]] = src[1]
+        return largest, touched
 
     @njit(cache=True)
     def _scatter_rows(keys, values, flat, fill):  # pragma: no cover - compiled
@@ -686,31 +761,18 @@ if fused.available():
 
 # Integer dtype of each element size: slot rows are copied as raw bits by _scatter_rows.
 _SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# numpy's unsigned words of each element size (_copy_rows reads and writes rows as raw bits)
+_SAME_SIZE_UINT = {2: np.uint16, 4: np.uint32}
 
 # float32 +inf's bit pattern: a larger pattern without the sign is a NaN.
 _F32_INF_BITS = 0x7F800000
+# the smallest float32 pattern beyond float16's largest value (65504)
+_F32_FP16_OVERFLOW_BITS = int(np.array(_FP16_MAX, dtype=np.float32).view(np.uint32)) + 1
 
 
-def _magnitude_of_bits(bits: int) -> float:
-    """The float32 magnitude whose bit pattern is ``bits`` (sign cleared): what ``abs().amax()`` gives,
-    NaN for a NaN."""
-    return float(np.array(bits, dtype=np.int32).view(np.float32)) if bits <= _F32_INF_BITS else float("nan")
-
-
-def _compiled_gather(slow: SlowTier) -> bool:
-    """Whether ``slow``'s rows can be gathered by ``_gather_rows``: numba, float32 rows in host memory,
-    and no per-row checks of a subclass (the disk tier's checksums)."""
-    return (fused.available() and slow.dtype == torch.float32
-            and type(slow)._check_rows is SlowTier._check_rows and slow.data.device.type == "cpu")
-
-
-def _narrowed(fill: torch.Tensor, dtype: torch.dtype, peak: float | None) -> torch.Tensor:
-    """``to_storage(fill, dtype)``, its range check read from ``peak`` when the gather measured it."""
-    if peak is None:
-        return to_storage(fill, dtype)
-    if storage_overflow_check(fill, dtype):
-        check_fp16_peak(peak)
-    return fill.to(dtype)
+def _uint_view(t: torch.Tensor, unsigned) -> np.ndarray:
+    """``t``'s memory as numpy unsigned words of its element size (no copy)."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy().view(unsigned)
 
 
 def warm_up_fill_planner() -> None:
@@ -718,8 +780,10 @@ def warm_up_fill_planner() -> None:
     if fused.available():
         _plan_fill(np.full((1, 2), -1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 1), np.int64),
                    np.zeros((1, 2), np.bool_), 1)
-        _gather_rows(np.zeros((1, 1, 2, 1), np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64),
-                     np.empty((1, 2, 1), np.int32))
+        for words, slot_words, narrow in ((np.uint32, np.uint16, True), (np.uint32, np.uint32, False),
+                                          (np.uint16, np.uint16, False)):
+            _copy_rows(np.zeros((1, 1, 2, 1), words), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                       np.zeros(1, np.int64), np.zeros((1, 1), slot_words), np.zeros((1, 1), slot_words), narrow)
         for bits in (np.int16, np.int32):    # float16/bfloat16 and float32 slots
             _scatter_rows(np.zeros((1, 1), bits), np.zeros((1, 1), bits), np.zeros(1, np.int64),
                           np.zeros((1, 2, 1), bits))
