@@ -197,3 +197,25 @@ def test_the_one_pass_stream_attention_equals_the_torch_ops(bits):
     probs, want_lse = _softmax_part(turbo.inner_products(query, keys) * 0.25)
     torch.testing.assert_close(out, turbo.weighted_sum(probs, values), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dim,bits", [(64, 2), (64, 1), (48, 4), (128, 8)])
+def test_the_one_pass_stream_encode_equals_turbo_encode(dim, bits):
+    """`fused.turbo_encode_into` (the CPU fast path's stream encode) writes `TurboQuantizer.encode`'s codes and
+    norms, bit for bit, into tokens ``at ..`` of a buffer, from keys and values where they lie (a strided slot
+    of a float16 ring buffer), touching nothing else; norms cover float16's subnormal and overflow ends."""
+    from kvshrink.codecs.lloyd_max import TurboQuantizer
+
+    turbo = TurboQuantizer(dim, bits, seed=1)
+    ring = torch.randn(2, 2, 3, 9, dim, generator=torch.Generator().manual_seed(4))
+    ring[0, 0, 0, 5] *= 1e-7                       # a norm below float16's smallest normal
+    ring[1, 1, 2, 6] *= 1e4                        # a norm beyond float16's largest: inf, as torch rounds it
+    ring[0, 1, 1, 6] = 0.0                         # a zero vector
+    x = ring[:, :, :, 5:7]                         # two tokens of the ring, not contiguous
+    want = turbo.encode(x.float())
+    codes = torch.zeros(2, 2, 3, 10, want.codes.shape[-1], dtype=torch.uint8)
+    norm = torch.zeros(2, 2, 3, 10, dtype=torch.float16)
+    fused.turbo_encode_into(turbo, x, codes, norm, 3)
+    assert torch.equal(codes[..., 3:5, :], want.codes)
+    assert torch.equal(norm[..., 3:5].view(torch.int16), want.norm.view(torch.int16))
+    assert not codes[..., :3, :].any() and not codes[..., 5:, :].any() and not norm[..., 5:].any()

@@ -308,6 +308,63 @@ if numba is not None:
                         for e in range(d):
                             o[e] += p * vec[e]
 
+    @njit(cache=True, inline="always")
+    def half_bits(x):  # pragma: no cover - compiled
+        """float16 bits of the float32 whose bits are ``x`` (an int64), rounded to nearest even as torch's
+        conversion rounds: overflow to inf, subnormals, signed zeros, NaN kept a (quiet) NaN (numba has no
+        float16 type: kernels writing float16 write these words)."""
+        sign = (x >> 16) & 0x8000
+        a = x & 0x7FFFFFFF
+        if a >= 0x7F800000:                     # inf, NaN
+            return sign | (0x7E00 if a > 0x7F800000 else 0x7C00)
+        if a >= 0x477FF000:                     # >= 65520: beyond float16's largest after rounding
+            return sign | 0x7C00
+        if a >= 0x38800000:                     # a normal float16: rebias the exponent, round the mantissa
+            return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
+        if a <= 0x33000000:                     # at most 2**-25: half the smallest subnormal rounds to 0
+            return sign
+        shift = 126 - (a >> 23)                 # a subnormal float16: the mantissa's 24 bits shifted
+        m = (a & 0x7FFFFF) | 0x800000
+        r = m >> shift
+        rest = m & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rest > half or (rest == half and (r & 1) == 1):
+            r += 1
+        return sign | r
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _turbo_encode(x, rotation_t, bounds, bits, codes, norm_words, at):  # pragma: no cover - compiled
+        # rows x [M, n, d] (float32) -> TurboQuant codes written into tokens at .. at+n-1 of codes [M, cap, bytes]
+        # and their norms (float16 words) into norm_words [M, cap]: `TurboQuantizer.encode` without QJL
+        # (rotation_t: the rotation's transpose, so each rotated channel is a contiguous dot product)
+        rows, n, d = x.shape
+        per_byte = 8 // bits
+        unit = np.empty(d, np.float32)
+        norm_box = np.empty(1, np.float32)
+        norm_bits = norm_box.view(np.uint32)
+        for m in range(rows):
+            for t in range(n):
+                v = x[m, t]
+                total = np.float32(0.0)
+                for e in range(d):
+                    total += v[e] * v[e]
+                norm = np.float32(np.sqrt(total))
+                scale = max(norm, np.float32(1e-12))
+                for e in range(d):
+                    unit[e] = v[e] / scale
+                out = codes[m, at + t]
+                out[:] = 0
+                for j in range(d):
+                    y = np.float32(0.0)
+                    for e in range(d):
+                        y += unit[e] * rotation_t[j, e]
+                    code = 0
+                    for b in range(bounds.shape[0]):
+                        code += y > bounds[b]
+                    out[j // per_byte] |= np.uint8(code << ((j % per_byte) * bits))
+                norm_box[0] = norm
+                norm_words[m, at + t] = half_bits(np.int64(norm_bits[0]))
+
     @njit(parallel=True, cache=True, fastmath=_FASTMATH - {"reassoc"})
     def _nearest_codewords(x, codebook_t, c_sq, out):  # pragma: no cover - compiled
         # x [N, g], codebook_t [g, k <= 256]: out[i] = argmin_j ||c_j||^2 - 2 x_i.c_j (the first of equal
@@ -456,6 +513,21 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float) ->
     return turbo.rotation.unrotate(torch.from_numpy(out)), torch.from_numpy(lse)
 
 
+def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, at: int) -> None:
+    """`TurboQuantizer.encode` (no QJL; `turbo_supported`) of float ``x [..., n, d]`` on CPU in one pass, written
+    into tokens ``at .. at+n-1`` of ``codes [..., capacity, bytes]`` (uint8) and ``norm [..., capacity]``
+    (float16), contiguous buffers with the same leading dims (the stream's): nothing allocated per token.
+    The same codes as ``encode`` but where float32 rounding puts a rotated channel on the other side of a
+    boundary (summation order)."""
+    *lead, n, d = x.shape
+    rows = x.numel() // max(1, n * d)
+    _, bounds, _, _ = turbo._tables(x.device)
+    rotation_t = turbo.rotation.matrix(x.device, torch.float32).T
+    _turbo_encode(_numpy(x.float().reshape(rows, n, d)), _numpy(rotation_t), _numpy(bounds), turbo.bits,
+                  codes.view(rows, *codes.shape[-2:]).numpy(), norm.view(torch.int16).view(rows, -1).numpy().view(np.uint16),
+                  at)
+
+
 def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """int32 index of the nearest row of ``codebook [k, g]`` for each row of ``x [N, g]`` (CPU, float32):
     `codecs.vq.assign_codes` in one pass, no ``N x k`` distance block written to memory."""
@@ -486,4 +558,6 @@ def warm_up() -> None:
     turbo = TurboQuantizer(4, 4)
     code = turbo.encode(torch.ones(1, 1, 1, 4))
     turbo_attention(turbo, torch.ones(1, 1, 1, 4), code, code, 1.0)
+    turbo_encode_into(turbo, torch.ones(1, 1, 4), torch.zeros(1, 1, 2, dtype=torch.uint8),
+                      torch.zeros(1, 1, dtype=torch.float16), 0)
     nearest_codewords(torch.zeros(1, 2), torch.zeros(2, 2))

@@ -602,6 +602,8 @@ class SlotTier:
 if fused.available():
     from numba import njit
 
+    from kvshrink.codecs.fused import half_bits
+
     @njit(cache=True)
     def _eviction_order(priority):  # pragma: no cover - compiled
         """``np.argsort(priority, kind="mergesort")`` (stable); in one pass when every finite priority is the
@@ -677,33 +679,10 @@ if fused.available():
                 in_selection[selected[r, j]] = False
         return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
 
-    @njit(cache=True, inline="always")
-    def _half_bits(x):  # pragma: no cover - compiled
-        """float16 bits of the float32 whose bits are ``x`` (an int64), rounded to nearest even as torch's
-        conversion rounds: overflow to inf, subnormals, signed zeros, NaN kept a (quiet) NaN."""
-        sign = (x >> 16) & 0x8000
-        a = x & 0x7FFFFFFF
-        if a >= 0x7F800000:                     # inf, NaN
-            return sign | (0x7E00 if a > 0x7F800000 else 0x7C00)
-        if a >= 0x477FF000:                     # >= 65520: beyond float16's largest after rounding
-            return sign | 0x7C00
-        if a >= 0x38800000:                     # a normal float16: rebias the exponent, round the mantissa
-            return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
-        if a <= 0x33000000:                     # at most 2**-25: half the smallest subnormal rounds to 0
-            return sign
-        shift = 126 - (a >> 23)                 # a subnormal float16: the mantissa's 24 bits shifted
-        m = (a & 0x7FFFFF) | 0x800000
-        r = m >> shift
-        rest = m & ((1 << shift) - 1)
-        half = 1 << (shift - 1)
-        if rest > half or (rest == half and (r & 1) == 1):
-            r += 1
-        return sign | r
-
     @njit(cache=True, fastmath=True)
     def _narrow_row(src, dst):  # pragma: no cover - compiled
         """``dst`` (float16 words) from ``src`` (float32 words): every word by the normal-range formula in one
-        vectorised pass, then word by word (``_half_bits``) if any lies outside that range (zeros, subnormals,
+        vectorised pass, then word by word (``fused.half_bits``) if any lies outside that range (zeros, subnormals,
         overflow, inf, NaN: rare in keys and values). Returns the largest word without its sign."""
         largest = 0
         outside = False
@@ -715,7 +694,7 @@ if fused.available():
             dst[t] = ((x >> 16) & 0x8000) | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
         if outside:
             for t in range(src.shape[0]):
-                dst[t] = _half_bits(np.int64(src[t]))
+                dst[t] = half_bits(np.int64(src[t]))
         return largest
 
     @njit(cache=True)

@@ -201,14 +201,17 @@ class ShardLayer(CacheLayer):
 
     def stream_append(self, both: torch.Tensor, index: int) -> None:
         """TurboQuant codes of tokens ``index ..`` (keys and values ``[2, B, H_kv, n, d]``, encoded together:
-        half the small ops of a decode step's commit) added to the stream; on the GPU path by one kernel
-        writing into the stream's buffer."""
+        half the small ops of a decode step's commit) added to the stream; on the GPU path (Triton) and the
+        CPU fast path (numba) by one kernel writing into the stream's buffer."""
         turbo, n = self.shared.turbo, both.shape[-2]
+        encode_into = None
         if not turbo.qjl and self.use_triton_kernel(both):
-            from kvshrink.kernels.shard_code_attention import turbo_encode_into
-
+            from kvshrink.kernels.shard_code_attention import turbo_encode_into as encode_into
+        elif self.shared.fast and both.device.type == "cpu" and not backend.gpu_path(both) and fused.turbo_supported(turbo):
+            encode_into = fused.turbo_encode_into
+        if encode_into is not None:
             buffer = self.stream.room(n, tuple(both.shape[1:-2]), packed_size(self.d, turbo.bits), both.device)
-            turbo_encode_into(turbo, both, buffer.codes, buffer.norm, self.stream.n)
+            encode_into(turbo, both, buffer.codes, buffer.norm, self.stream.n)
             self.stream.filled(index, n)
             return
         code = turbo.encode(both.float())
