@@ -246,8 +246,9 @@ def test_stream_encode_kernel_equals_turbo_encode(dim, bits):
 
 
 def test_the_stream_buffer_grows_and_compacts():
-    """The GPU path's stream is a buffer written in place: past its capacity it grows (the codes held
-    copied once), its free slots are counted as held bytes, and a concatenation makes it compact again."""
+    """The stream is a buffer written in place (GPU path and CPU fast path): past its capacity it grows by an
+    eighth of what it holds (the codes held copied once), its free slots are counted as held bytes, and a
+    concatenation makes it compact again."""
     from kvshrink.codecs.lloyd_max import TurboQuantizer
     from kvshrink.cache.store import held_bytes
     from kvshrink.methods.shard import segments
@@ -261,7 +262,8 @@ def test_the_stream_buffer_grows_and_compacts():
             sca.turbo_encode_into(turbo, x[:, :, :, t:t + 1], buffer.codes, buffer.norm, stream.n)
             stream.filled(100 + t, 1)
     want = turbo.encode(x)
-    assert stream.n == 70 and stream.runs[-1] == (169, 1) and stream.buffer.codes.shape[-2] == 1 + 64 + 64 + 1
+    # grown by an eighth of what it held (at least 8): 9, 18, 27, ..., 63, then 64 + 8 slots
+    assert stream.n == 70 and stream.runs[-1] == (169, 1) and stream.buffer.codes.shape[-2] == 72
     assert torch.equal(stream.keys.codes, want.codes[0]) and torch.equal(stream.values.norm, want.norm[1])
     assert held_bytes(stream.tensors()) == stream.buffer.nbytes()
     stream.append(*(turbo.encode(x[i, :, :, :1]) for i in (0, 1)), 170, 1)

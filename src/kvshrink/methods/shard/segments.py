@@ -85,8 +85,13 @@ class MiddleBlock:
                 "kept": [] if self.kept is None else [self.kept]}
 
 
-# Tokens the GPU path's stream buffer grows by at once (its free slots are held, and counted, bytes).
-_STREAM_GROW = 64
+# The stream buffer's free slots are held, and counted, bytes: it grows by an eighth of the tokens it holds
+# (at least _STREAM_MIN_GROW), so they stay a small share of the stream and a regrowth's copy is rare.
+_STREAM_MIN_GROW = 8
+
+
+def _stream_growth(held: int) -> int:
+    return max(_STREAM_MIN_GROW, held // 8)
 
 
 @dataclass
@@ -114,11 +119,11 @@ class TurboSegment:
 
     def room(self, count: int, rows: tuple[int, ...], n_bytes: int, device) -> TurboCode:
         """The buffer (codes ``[2, *rows, capacity, n_bytes]``, norms ``[2, *rows, capacity]``) with room for
-        ``count`` more tokens after the ``n`` held: made or grown by `_STREAM_GROW` tokens when full (the
-        tokens held copied in once). Write them there, then call `filled`."""
+        ``count`` more tokens after the ``n`` held: made, or grown when full by `_stream_growth` free slots beyond
+        them (the tokens held copied in once). Write them there, then call `filled`."""
         if self.buffer is not None and self.n + count <= self.buffer.codes.shape[-2]:
             return self.buffer
-        capacity = self.n + count + _STREAM_GROW
+        capacity = self.n + count + _stream_growth(self.n + count)
         buffer = TurboCode(norm=torch.empty(2, *rows, capacity, dtype=torch.float16, device=device),
                            codes=torch.empty(2, *rows, capacity, n_bytes, dtype=torch.uint8, device=device))
         for i, held in enumerate((self.keys, self.values)):
