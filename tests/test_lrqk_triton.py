@@ -51,6 +51,52 @@ def test_proxy_mass_equals_torch(groups, rank, dtype):
         assert torch.equal(torch.topk(got, 8).indices.sort(1).values, torch.topk(want, 8).indices.sort(1).values)
 
 
+@pytest.mark.parametrize("groups,rank,dim,copies,window,update", [
+    (3, 16, 64, 1, 5, True), (1, 8, 32, 2, 0, True), (4, 12, 16, 1, 3, False), (2, 16, 64, 1, -1, True)])
+def test_factor_step_kernel_equals_torch(groups, rank, dim, copies, window, update):
+    """`lrqk_factor.factor_step` (one launch: resident sums, r x r updates, line searches) against the torch
+    path (`_resident_sums`' products, `factor_vectors_from_sums`, two `line_search_basis_step`): slots not
+    chosen and empty (-1) are left out, the window's factor rows follow its first token, ranks below the
+    kernel's padded size, several factor heads per KV row; window -1: no resident token (``fit_resident``
+    off)."""
+    from kvshrink.codecs.lowrank import factor_vectors_from_sums, line_search_basis_step
+    from kvshrink.kernels.lrqk_factor import factor_step, in_interpreter
+
+    g = torch.Generator().manual_seed(rank + groups)
+    rows, slots, tokens = 3, 40, 90
+    n = rows * copies
+    q, k = torch.randn(n, groups, dim, generator=g), torch.randn(n, dim, generator=g)
+    b_q, b_k = torch.randn(n, rank, dim, generator=g) * 0.2, torch.randn(n, rank, dim, generator=g) * 0.2
+    factors = torch.randn(n, tokens, rank, generator=g).to(torch.float16)
+    token = torch.randint(0, 70, (rows, slots), generator=g)
+    token[:, -3:] = -1
+    chosen = torch.rand(rows, slots, generator=g) < 0.7
+    slot_keys = torch.randn(rows, slots, dim, generator=g).to(torch.float16)
+    n_win = max(window, 0)
+    win_keys = torch.randn(rows, n_win, dim, generator=g).to(torch.float16)
+    start = 80
+    if window < 0:
+        token, chosen, slot_keys = token[:, :0], chosen[:, :0], slot_keys[:, :0]
+    # the torch path's sums, per factor head (head n reads KV row n // copies)
+    kv = torch.arange(n) // copies
+    use = (chosen & (token >= 0))[kv].float()
+    a = torch.cat([factors.float().gather(1, token.clamp_min(0)[kv, :, None].expand(-1, -1, rank)) * use[..., None],
+                   factors[:, start:start + n_win].float()], 1)
+    keys = torch.cat([slot_keys.float(), win_keys.float()], 1)[kv]
+    lhs, rhs = a.mT @ a, (q @ keys.mT) @ a
+    want_q, want_k = factor_vectors_from_sums(q, k, b_q, b_k, lhs, rhs, lam=0.7)
+    want_bq = line_search_basis_step(b_q, want_q, q) if update else b_q
+    want_bk = line_search_basis_step(b_k, want_k.unsqueeze(1), k.unsqueeze(1)) if update else b_k
+    got_bq, got_bk = b_q.clone(), b_k.clone()
+    with force_gpu_path(), in_interpreter():
+        got_q, got_k = factor_step(q, k, got_bq, got_bk, factors, token, chosen, slot_keys, win_keys, start,
+                                   copies, 0.7, update)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_bq, want_bq, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_bk, want_bk, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("groups,dim,dtype", [(1, 64, torch.float16), (4, 128, torch.bfloat16), (8, 64, torch.float32)])
 def test_gathered_attention_equals_torch(groups, dim, dtype):
     g = torch.Generator().manual_seed(dim + groups)
@@ -105,6 +151,19 @@ CASES = [  # (policy, GQA ratio, head size, slot dtype, extra options): every po
 @pytest.mark.parametrize("policy,gqa,head_dim,slot_dtype,extra", CASES,
                          ids=[f"{c[0]}-gqa{c[1]}-d{c[2]}-{c[3]}" + "".join(f"-{k}" for k in c[4]) for c in CASES])
 def test_gpu_path_equals_reference(policy, gqa, head_dim, slot_dtype, extra):
+    _check_gpu_path_equals_reference(policy, gqa, head_dim, slot_dtype, extra)
+
+
+def test_gpu_path_with_the_factor_kernel_equals_reference():
+    """As above with the factor update in its Triton kernel (the interpreter runs it only when asked: about
+    0.3 s a program); the kernel against the torch ops alone: `test_factor_step_kernel_equals_torch`."""
+    from kvshrink.kernels.lrqk_factor import in_interpreter
+
+    with in_interpreter():
+        _check_gpu_path_equals_reference("set", 1, 64, "float16", {})
+
+
+def _check_gpu_path_equals_reference(policy, gqa, head_dim, slot_dtype, extra):
     model = _model(gqa, head_dim)
     ids, mask = left_pad(prompts([26, 19], seed=gqa))      # a left-padded batch (rows split by the cache)
     # rank: below the prompts' lengths (d=128's default, 32, is not): a factorization fitted on fewer tokens
@@ -332,6 +391,7 @@ for name, path in (("kvshrink", root), ("kvshrink.kernels", os.path.join(root, "
     pkg.__path__ = [path]
     sys.modules[name] = pkg
 from kvshrink.kernels import lrqk_proxy as k
+from kvshrink.kernels import lrqk_factor
 P, I = "*fp32", "i32"
 proxy = {"q_ptr": P, "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, "R": I, "a_row_stride": I,
          "a_tok_stride": I, "scale": "fp32", "HAS_PAD": "constexpr", "BLOCK_G": "constexpr",
@@ -346,10 +406,17 @@ kernels = [
       "scale": "fp32", "HAS_PAD": "constexpr", "SPLIT": "constexpr", "BLOCK_G": "constexpr",
       "BLOCK_D": "constexpr", "BLOCK_N": "constexpr"},
      {"BLOCK_D": 128, "BLOCK_N": 32, "SPLIT": True}),
+    (lrqk_factor._factor_step_kernel,
+     {**{n: P for n in ("q_ptr", "k_ptr", "bq_ptr", "bk_ptr")}, "a_ptr": "*fp16", "tok_ptr": "*i64",
+      "chosen_ptr": "*u8", "sk_ptr": "*bf16", "wk_ptr": "*bf16", "qh_ptr": "*fp64", "kh_ptr": "*fp64",
+      **{n: I for n in ("G", "D", "R", "S", "W", "win_start", "copies", "a_head_stride", "a_row_stride")},
+      "lam": "fp32", **{n: "constexpr" for n in ("ITERS", "UPDATE", "GP", "DP", "RP", "BLOCK_T")}},
+     {"ITERS": 2, "UPDATE": True, "GP": 16, "DP": 128, "RP": 32, "BLOCK_T": 32}),
 ]
 for fn, sig, consts in kernels:
     sig = {n: sig[n] for n in fn.arg_names}         # in the kernel's parameter order
-    src = ASTSource(fn=fn, signature=sig, constexprs={"HAS_PAD": True, "BLOCK_G": 16, **consts})
+    shared = {n: v for n, v in (("HAS_PAD", True), ("BLOCK_G", 16)) if n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={**shared, **consts})
     assert "ld.global" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 print("compiled")
 """

@@ -46,7 +46,7 @@ from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import lowrank_fused
-from kvshrink.kernels.backend import gpu_path
+from kvshrink.kernels.backend import gpu_path, triton_available
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -368,8 +368,9 @@ class LRQKLayer(CacheLayer):
         self._k_hat = k_hat.reshape(b, f, self.rank)
 
     def _update_factor_vectors_fast(self, query: torch.Tensor) -> None:
-        """``_update_factor_vectors`` from the resident tokens' sums, the r x r updates in one numba call
-        where it can run (CPU bases, numba installed), else in torch."""
+        """``_update_factor_vectors`` in one compiled call where it can run: a Triton kernel on the GPU path,
+        numba with CPU bases (the resident sums made in the call when ``fit_resident``); else the torch ops
+        on the resident tokens' sums."""
         b, _, _, d = query.shape
         f = self.a_k.shape[1]
         q = self._factor_queries(query).reshape(b * f, -1, d).float()
@@ -377,32 +378,52 @@ class LRQKLayer(CacheLayer):
         gpu = self._on_gpu_path(query)
         compiled = lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu
         self._step_factors = None
-        if compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
+        if gpu and self._factor_kernel_runs():
+            from kvshrink.kernels.lrqk_factor import factor_step
+
+            self.b_q, self.b_k = (_kernel_basis(x) for x in (self.b_q, self.b_k))
+            q_hat, k_hat = factor_step(q, k, self.b_q, self.b_k, self.a_k.view(b * f, -1, self.rank),
+                                       *self._residents(d), self.copies, self.lam, self.update_bases)
+        elif compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
             self._step_factors = self.a_k.float()     # read again by this step's proxy scores
-            n_win = self.win_k.shape[2] if self.win_k is not None else 0
-            win_k = self.win_k.reshape(-1, n_win, d) if n_win else self.slots.keys.new_zeros(self.slots.rows, 0, d)
             q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.resident_decode_step(
-                q, k, self.b_q, self.b_k, self._step_factors.view(b * f, -1, self.rank), self.slots.token,
-                self.slots.chosen, self.slots.keys, win_k, self.a_len - n_win, self.copies, self.lam,
-                self.update_bases)
-            self._q_hat = q_hat.reshape(b, f, -1, self.rank)
-            self._k_hat = k_hat.reshape(b, f, self.rank)
-            return
-        lhs, rhs = self._resident_sums(q, b, f) if self.fit_resident else (None, None)
-        if compiled:
-            if lhs is None:
-                lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
-            # in place: the layer owns its bases (copies of a cache are deep copies)
-            q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.decode_step(q, k, self.b_q, self.b_k, lhs, rhs,
-                                                                         self.lam, self.update_bases, in_place=True)
+                q, k, self.b_q, self.b_k, self._step_factors.view(b * f, -1, self.rank), *self._residents(d),
+                self.copies, self.lam, self.update_bases)
         else:
-            q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam,
-                                                    check_errors=not gpu)
-            if self.update_bases:
-                self.b_q = line_search_basis_step(self.b_q, q_hat, q)
-                self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
+            lhs, rhs = self._resident_sums(q, b, f) if self.fit_resident else (None, None)
+            if compiled:
+                if lhs is None:
+                    lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
+                # in place: the layer owns its bases (copies of a cache are deep copies)
+                q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.decode_step(
+                    q, k, self.b_q, self.b_k, lhs, rhs, self.lam, self.update_bases, in_place=True)
+            else:
+                q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam,
+                                                        check_errors=not gpu)
+                if self.update_bases:
+                    self.b_q = line_search_basis_step(self.b_q, q_hat, q)
+                    self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
         self._q_hat = q_hat.reshape(b, f, -1, self.rank)
         self._k_hat = k_hat.reshape(b, f, self.rank)
+
+    def _factor_kernel_runs(self) -> bool:
+        """Whether the GPU path's factor update is the Triton kernel (`kernels.lrqk_factor`; rank <= 64)."""
+        if not (triton_available() and self.rank <= 64):
+            return False
+        from kvshrink.kernels import lrqk_factor
+
+        return lrqk_factor.runs()
+
+    def _residents(self, d: int) -> tuple:
+        """What the compiled factor updates read of the resident tokens: slot tokens, chosen flags and keys,
+        the window's keys and the factor row of its first token (no slot and no window token without
+        ``fit_resident``)."""
+        slots = self.slots
+        n_win = self.win_k.shape[2] if self.win_k is not None and self.fit_resident else 0
+        win_k = self.win_k.reshape(-1, n_win, d) if n_win else slots.keys.new_zeros(slots.rows, 0, d)
+        if not self.fit_resident:
+            return (slots.token[:, :0], slots.chosen[:, :0], slots.keys[:, :0], win_k, self.a_len)
+        return slots.token, slots.chosen, slots.keys, win_k, self.a_len - n_win
 
     def _resident_sums(self, q: torch.Tensor, b: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``AᵀA`` ``[B·F, r, r]`` and ``(q·Kᵀ)A`` ``[B·F, G/c, r]`` over the tokens of Ω (last step's
@@ -699,6 +720,13 @@ class LRQKLayer(CacheLayer):
 
     def stats(self) -> dict[str, float]:
         return layer_stats(self.counters, self.step_log, self.nbytes(), self.slow_tier_bytes())
+
+
+def _kernel_basis(basis: torch.Tensor) -> torch.Tensor:
+    """``basis`` as the factor-step kernel updates it in place: contiguous float32 (a copy only if not)."""
+    if basis.dtype == torch.float32 and basis.is_contiguous():
+        return basis
+    return basis.float().contiguous()
 
 
 def _check_writable(folder: str) -> None:
