@@ -24,6 +24,7 @@ import torch
 from kvshrink.kernels import counting
 from kvshrink.kernels.backend import interpreting
 from kvshrink.kernels.backend import triton as _load_triton
+from kvshrink.kernels.lrqk_proxy import pow2
 
 triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
 import triton.language as tl  # noqa: E402
@@ -51,13 +52,6 @@ def in_interpreter(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _interpreted = before
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    p = floor
-    while p < n:
-        p *= 2
-    return p
 
 
 @triton.jit
@@ -217,6 +211,6 @@ def factor_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: 
             query.float().contiguous(), key.float().contiguous(), b_q, b_k, factors, slot_token.contiguous(),
             slot_chosen.contiguous().view(torch.uint8), slot_keys.contiguous(), window_keys.contiguous(),
             q_hat, k_hat, g, d, r, s, w, int(window_start), int(copies), factors.stride(0), factors.stride(1),
-            float(lam), ITERS=int(iters), UPDATE=bool(update_bases), GP=_pow2(g), DP=_pow2(d), RP=_pow2(r),
+            float(lam), ITERS=int(iters), UPDATE=bool(update_bases), GP=pow2(g), DP=pow2(d), RP=pow2(r),
             BLOCK_T=_BLOCK_T)
     return q_hat, k_hat

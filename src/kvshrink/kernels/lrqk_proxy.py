@@ -32,7 +32,8 @@ __all__ = ["proxy_mass", "proxy_mass_torch", "gathered_attention", "gathered_att
 
 
 
-def _pow2(n: int, floor: int = 16) -> int:
+def pow2(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= ``n`` and >= ``floor`` (Triton block sizes; ``tl.dot`` wants 16 or more)."""
     p = floor
     while p < n:
         p *= 2
@@ -182,7 +183,7 @@ def proxy_mass(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling:
     q_hat = q_hat.float().contiguous()
     if a_k.stride(-1) != 1:
         a_k = a_k.contiguous()
-    bg, br = _pow2(groups), _pow2(rank)
+    bg, br = pow2(groups), pow2(rank)
     n_blocks = -(-candidates // block_n)
     dev = q_hat.device
     m = torch.empty(rows, n_blocks, bg, dtype=torch.float32, device=dev)
@@ -255,8 +256,8 @@ def gathered_attention(query: torch.Tensor, slot_k: torch.Tensor, slot_v: torch.
     with counting.kernel_launch("lrqk_attention"):
         kern["attention"][(rows, splits)](q, slot_k, slot_v, sidx, stok, tk, tv, nk, nv, pad, out, lse, acc, ml, groups,
                                           dim, slot_k.shape[1], n_sel, n_tail, int(tail_start), split_len, float(scaling),
-                                          HAS_PAD=has_pad, SPLIT=splits > 1, BLOCK_G=_pow2(groups),
-                                          BLOCK_D=_pow2(dim), BLOCK_N=block_n)
+                                          HAS_PAD=has_pad, SPLIT=splits > 1, BLOCK_G=pow2(groups),
+                                          BLOCK_D=pow2(dim), BLOCK_N=block_n)
     if splits > 1:   # merge the splits' partial softmax sums (split 0 always holds the new token: m finite)
         m, l_sum = ml[:, :, 0], ml[:, :, 1]                                # [rows, splits, G]
         top = m.amax(dim=1, keepdim=True)
