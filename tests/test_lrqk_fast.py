@@ -207,7 +207,8 @@ def test_compiled_float16_conversion_rounds_as_torch():
     finite = halves[torch.isfinite(halves)].sort().values
     midpoints = ((finite[1:].double() + finite[:-1].double()) / 2).float()
     g = torch.Generator().manual_seed(0)
-    random = torch.randint(-2**31, 2**31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    words = torch.randint(-2**31, 2**31 - 1, (200_000,), generator=g, dtype=torch.int64)
+    random = words.to(torch.int32).view(torch.float32)
     special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 2.0**-25, 2.0**-25 * 1.0001,
                             2.0**-24 * 1.5, 2.0**-14, 2.0**-14 * (1 - 2**-12), float("inf"), float("-inf")])
     x = torch.cat([halves, beside, midpoints, random, special])

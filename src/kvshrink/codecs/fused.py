@@ -523,9 +523,9 @@ def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.T
     rows = x.numel() // max(1, n * d)
     _, bounds, _, _ = turbo._tables(x.device)
     rotation_t = turbo.rotation.matrix(x.device, torch.float32).T
+    norm_words = norm.view(torch.int16).view(rows, -1).numpy().view(np.uint16)
     _turbo_encode(_numpy(x.float().reshape(rows, n, d)), _numpy(rotation_t), _numpy(bounds), turbo.bits,
-                  codes.view(rows, *codes.shape[-2:]).numpy(), norm.view(torch.int16).view(rows, -1).numpy().view(np.uint16),
-                  at)
+                  codes.view(rows, *codes.shape[-2:]).numpy(), norm_words, at)
 
 
 def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,9 @@ What ``LRQKLayer`` does on the CPU path with numba (``codecs.lowrank_fused.resid
 its torch ops do otherwise (``_resident_sums``, ``lowrank.factor_vectors_from_sums`` and two
 ``lowrank.line_search_basis_step``): for each factor head, the sums over the resident tokens (the slots
 chosen last step and the window) ``AᵀA`` and ``(q·Kᵀ)A`` in float32, then the alternating closed-form
-updates of ``q̂`` and ``k̂`` (``r x r`` ridge solves, in float64 as the torch path's) and the bases' exact-line-search step, written in place. On the GPU path the
-torch ops took ~150 launches per layer and step; this is one.
+updates of ``q̂`` and ``k̂`` (``r x r`` ridge solves, in float64 as the torch path's) and the bases'
+exact-line-search step, written in place. On the GPU path the torch ops took ~150 launches per layer and step;
+this is one.
 
 One program per factor head; the ``r x r`` systems live in registers (``r`` <= 64). Runs on CUDA tensors, or
 on CPU tensors in Triton's interpreter; its oracle is the torch path. In the interpreter a program takes a
@@ -31,7 +32,6 @@ import triton.language as tl  # noqa: E402
 
 __all__ = ["factor_step", "runs", "in_interpreter"]
 
-_RIDGE = 1e-9          # lowrank._ridge_solve's relative ridge
 _BLOCK_T = 32          # resident tokens summed per block
 
 
@@ -76,7 +76,7 @@ def _ridged(a, n, RP: tl.constexpr):
     diag = tl.sum(tl.where(eye, a, 0.0), 1)
     scale = tl.maximum(tl.sum(tl.where(real, tl.abs(diag), 0.0), 0) / n, 1e-30)
     pad = eye & ~(real[:, None] & real[None, :])
-    return tl.where(pad, 1.0, a + tl.where(eye & real[:, None], 1e-9 * scale, 0.0))
+    return tl.where(pad, 1.0, a + tl.where(eye & real[:, None], 1e-9 * scale, 0.0))   # rel_eps 1e-9, as there
 
 
 @triton.jit

@@ -207,7 +207,8 @@ class ShardLayer(CacheLayer):
         encode_into = None
         if not turbo.qjl and self.use_triton_kernel(both):
             from kvshrink.kernels.shard_code_attention import turbo_encode_into as encode_into
-        elif self.shared.fast and both.device.type == "cpu" and not backend.gpu_path(both) and fused.turbo_supported(turbo):
+        elif (self.shared.fast and both.device.type == "cpu" and not backend.gpu_path(both)
+              and fused.turbo_supported(turbo)):
             encode_into = fused.turbo_encode_into
         if encode_into is not None:
             buffer = self.stream.room(n, tuple(both.shape[1:-2]), packed_size(self.d, turbo.bits), both.device)
