@@ -399,6 +399,8 @@ proxy = {"q_ptr": P, "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, "R": I
 kernels = [
     (k._proxy_stats, {**proxy, "m_ptr": P, "l_ptr": P, "n_blocks": I}, {"BLOCK_R": 32, "BLOCK_N": 64}),
     (k._proxy_mass_kernel, {**proxy, "lse_ptr": P, "mass_ptr": P}, {"BLOCK_R": 32, "BLOCK_N": 64}),
+    (k._proxy_lse, {"m_ptr": P, "l_ptr": P, "lse_ptr": P, "n_blocks": I, "BLOCK_G": "constexpr",
+                    "BLOCK_B": "constexpr"}, {"BLOCK_B": 32}),
     (k._gathered_attention_kernel,
      {**{n: "*bf16" for n in ("q_ptr", "sk_ptr", "sv_ptr", "tk_ptr", "tv_ptr", "nk_ptr", "nv_ptr")},
       "sidx_ptr": "*i64", "stok_ptr": "*i64", "pad_ptr": "*i64", "out_ptr": P, "lse_ptr": P, "acc_ptr": P,

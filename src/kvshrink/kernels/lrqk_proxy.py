@@ -5,7 +5,7 @@ attention that reads the selected slots by index (no gathered copy).
 of a factor head, turned into the estimated attention mass the selection ranks by: the softmax over the
 candidates per query, summed over the queries of the group (``LRQKLayer._select``'s torch ops). Two
 kernels over (row, block of tokens): the first writes each block's max and sum of exponentials per query,
-a tiny torch reduction combines them into the log-sum-exp, the second recomputes the scores (r-long dot
+a small one per row combines them into the log-sum-exp, the second recomputes the scores (r-long dot
 products, cheaper than storing them) and writes the mass once, ``[rows, n]`` float32. ``torch.topk`` on the
 device then picks the top-k.
 
@@ -74,6 +74,29 @@ def _proxy_stats(q_ptr, a_ptr, pad_ptr, m_ptr, l_ptr, n, G, R, a_row_stride, a_t
     out = (row * n_blocks + blk) * BLOCK_G + g
     tl.store(m_ptr + out, m)
     tl.store(l_ptr + out, l_sum)
+
+@triton.jit
+def _proxy_lse(m_ptr, l_ptr, lse_ptr, n_blocks, BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr):
+    # one row's per-block maxima m and sums l [n_blocks, G] -> the log-sum-exp over the row [G] (-inf where no
+    # candidate is visible)
+    row = tl.program_id(0)
+    g = tl.arange(0, BLOCK_G)
+    top = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    for b0 in range(0, n_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        m = tl.load(m_ptr + (row * n_blocks + b[:, None]) * BLOCK_G + g[None, :], mask=(b < n_blocks)[:, None],
+                    other=float("-inf"))
+        top = tl.maximum(top, tl.max(m, 0))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((BLOCK_G,), tl.float32)
+    for b0 in range(0, n_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        at = (row * n_blocks + b[:, None]) * BLOCK_G + g[None, :]
+        m = tl.load(m_ptr + at, mask=(b < n_blocks)[:, None], other=float("-inf"))
+        l_sum = tl.load(l_ptr + at, mask=(b < n_blocks)[:, None], other=0.0)
+        total += tl.sum(l_sum * tl.exp(m - top[None, :]), 0)
+    tl.store(lse_ptr + row * BLOCK_G + g, top + tl.log(total))
+
 
 @triton.jit
 def _proxy_mass_kernel(q_ptr, a_ptr, pad_ptr, lse_ptr, mass_ptr, n, G, R, a_row_stride, a_tok_stride, scale,
@@ -167,7 +190,8 @@ def _gathered_attention_kernel(q_ptr, sk_ptr, sv_ptr, sidx_ptr, stok_ptr, tk_ptr
 
 
 def _get() -> dict:
-    return {"stats": _proxy_stats, "mass": _proxy_mass_kernel, "attention": _gathered_attention_kernel}
+    return {"stats": _proxy_stats, "lse": _proxy_lse, "mass": _proxy_mass_kernel,
+            "attention": _gathered_attention_kernel}
 
 
 def proxy_mass(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling: float,
@@ -194,9 +218,9 @@ def proxy_mass(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling:
     with counting.kernel_launch("lrqk_stats"):
         kern["stats"][grid](q_hat, a_k, pad, m, l_sum, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
                             float(scaling), n_blocks, HAS_PAD=has_pad, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
-    top = m.amax(dim=1, keepdim=True)
-    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
-    lse = (top.squeeze(1) + torch.log((l_sum * torch.exp(m - top)).sum(1))).contiguous()   # [rows, BG]
+    lse = torch.empty(rows, bg, dtype=torch.float32, device=dev)
+    with counting.kernel_launch("lrqk_lse"):
+        kern["lse"][(rows,)](m, l_sum, lse, n_blocks, BLOCK_G=bg, BLOCK_B=32)
     mass = torch.empty(rows, candidates, dtype=torch.float32, device=dev)
     with counting.kernel_launch("lrqk_mass"):
         kern["mass"][grid](q_hat, a_k, pad, lse, mass, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
