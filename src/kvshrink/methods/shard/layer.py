@@ -207,8 +207,7 @@ class ShardLayer(CacheLayer):
         encode_into = None
         if not turbo.qjl and self.use_triton_kernel(both):
             from kvshrink.kernels.shard_code_attention import turbo_encode_into as encode_into
-        elif (self.shared.fast and both.device.type == "cpu" and not backend.gpu_path(both)
-              and fused.turbo_supported(turbo)):
+        elif self.on_cpu_fast_path(both) and fused.turbo_supported(turbo):
             encode_into = fused.turbo_encode_into
         if encode_into is not None:
             buffer = self.stream.room(n, tuple(both.shape[1:-2]), packed_size(self.d, turbo.bits), both.device)
@@ -315,7 +314,11 @@ class ShardLayer(CacheLayer):
 
     def use_fast_kernel(self, query: torch.Tensor) -> bool:
         rows = query.shape[1] // self.h_kv * query.shape[2]
-        return self.shared.fast and query.device.type == "cpu" and rows <= _FAST_ROWS and not backend.gpu_path(query)
+        return self.on_cpu_fast_path(query) and rows <= _FAST_ROWS
+
+    def on_cpu_fast_path(self, x: torch.Tensor) -> bool:
+        """Whether work on ``x`` takes the numba kernels: ``kernel="fast"``, a CPU tensor, the GPU path not forced."""
+        return self.shared.fast and x.device.type == "cpu" and not backend.gpu_path(x)
 
     def fused_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
         """The block's partial from `codecs.fused.code_attention`: its keys rebuilt a slice of tokens at
