@@ -367,6 +367,42 @@ def test_the_one_pass_codeword_search_equals_the_torch_ops():
         assert torch.equal(assign_codes(x[:3000], small), assign_codes_torch(x[:3000], small))
 
 
+
+@pytest.mark.skipif(not __import__("kvshrink.codecs.fused", fromlist=["x"]).available(), reason="numba not installed")
+def test_the_indexed_codeword_search_picks_what_the_full_search_picks(monkeypatch):
+    """`fused.index_codebook`'s grid: every row gets the full search's codeword, inside the grid (few
+    candidates), outside it, on cell edges, between two codewords, at a codeword, with NaN; and a
+    codebook not indexed (another one, or after its index is dropped) is searched in full."""
+    from kvshrink.codecs import fused
+    from kvshrink.codecs.vq import assign_codes_torch, gaussian_codebook
+
+    monkeypatch.setattr(fused, "_CELLS", {})
+    cb = gaussian_codebook(4, 256, seed=0).to(torch.float16).float()
+    g = torch.Generator().manual_seed(5)
+    edges = torch.arange(-3.0, 3.01, fused._CELL_STEP)
+    rows = torch.cat([
+        torch.randn(50000, 4, generator=g),                                   # the scaled groups' spread
+        torch.randn(5000, 4, generator=g) * 3,                                # many outside [-3, 3)
+        edges[torch.randint(0, edges.numel(), (5000, 4), generator=g)],       # on cell edges
+        (cb[:128] + cb[128:]) / 2, cb,                                        # midway; at a codeword
+        torch.tensor([[float("nan"), 0.0, 0.0, 0.0], [0.0, float("inf"), 0.0, 0.0]]),
+    ])
+    full = fused.nearest_codewords(rows, cb)
+    fused.index_codebook(cb)
+    assert len(fused._CELLS) == 1
+    offsets, candidates = next(iter(fused._CELLS.values()))
+    assert offsets[-1] < 8 * (offsets.size - 1)               # a few of 256 per cell
+    indexed = fused.nearest_codewords(rows, cb)
+    assert torch.equal(indexed, full)
+    # and the torch ops' codeword (away from near-ties, where the two roundings may differ)
+    assert torch.equal(indexed[:55000].long(), assign_codes_torch(rows[:55000], cb))
+    # a wrong index would show: an empty candidate list gives code 255 where the full search does not
+    offsets[:] = 0
+    assert not torch.equal(fused.nearest_codewords(rows[:1000], cb), full[:1000])
+    other = gaussian_codebook(4, 256, seed=3)
+    assert torch.equal(fused.nearest_codewords(rows[:1000], other), assign_codes_torch(rows[:1000], other).int())
+
+
 def test_pca_column_scale_is_multiplied_back_on_decode():
     """Rows coded divided by a per-column scale (Shard's key_weights=query) decode to the original rows."""
     g = torch.Generator().manual_seed(3)

@@ -35,6 +35,8 @@ class ShardShared:
         self.fast = cfg.kernel == "fast" and fused.available()
         if self.fast:
             fused.warm_up()
+            if cfg.v_fit == "gaussian":  # the codebook every block uses, as the blocks store it (float16)
+                fused.index_codebook(self.v_codebook.to(torch.float16))
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
 
