@@ -484,7 +484,7 @@ def no_host_sync(monkeypatch):
         return run
 
     monkeypatch.setattr(shard_layer, "exact_partial", paused(shard_layer.exact_partial))
-    for kernel in ("_scores_kernel", "_bins_kernel", "_stream_scores_kernel", "_stream_values_kernel"):
+    for kernel in ("_scores_kernel", "_bins_kernel", "_stream_attention_kernel"):
         launcher = getattr(sca, kernel)
         monkeypatch.setattr(sca, kernel, type("Launch", (), {"__getitem__": lambda self, grid, k=launcher:
                                                               paused(k[grid])})())
@@ -555,20 +555,15 @@ for bits, groups in ((8, 1), (5, 8)):
     k = compile(ASTSource(sca._bins_kernel, sig, dict(V_BITS=bits, ENTRIES=1 << bits, ENTRIES_P=max(16, 1 << bits),
                                                        GROUPS=groups, BLOCK_N=t.n, BLOCK_R=t.r)), target=target)
     assert "cubin" in k.asm, list(k.asm)
-common = dict(codes_ptr="*u8", norm_ptr="*fp16", centroids_ptr="*fp32", signs_ptr="*u8", qjl_norm_ptr="*fp16",
-              qjl_scale="fp32", n="i32", capacity="i32", n_bytes="i32", sign_bytes="i32", rows="i32", dim="i32",
-              BITS="constexpr", QJL="constexpr", DP="constexpr", BLOCK_N="constexpr", BLOCK_R="constexpr",
-              rot_ptr="*fp32", sketch_ptr="*fp32", rot_row_stride="i32", rot_col_stride="i32")
-consts = dict(BITS=3, QJL=True, DP=128, BLOCK_N=t.n, BLOCK_R=t.r)
-sig = dict(common, q_ptr="*bf16", qs_ptr="*fp32", out_ptr="*fp32", scaling="fp32", ROTATE="constexpr")
-sig = {name: sig[name] for name in sca._stream_scores_kernel.arg_names}
+codes = dict(codes_ptr="*u8", norm_ptr="*fp16", signs_ptr="*u8", qjl_ptr="*fp16")
+sig = {f"{kv}_{name}": kind for kv in "kv" for name, kind in codes.items()}
+sig.update(centroids_ptr="*fp32", q_ptr="*bf16", qs_ptr="*fp32", rot_ptr="*fp32", sketch_ptr="*fp32",
+           out_ptr="*fp32", lse_ptr="*fp32", scaling="fp32", qjl_scale="fp32")
+sig = {name: sig.get(name, "constexpr" if name.isupper() else "i32") for name in sca._stream_attention_kernel.arg_names}
 for rotate in (True, False):
-    k = compile(ASTSource(sca._stream_scores_kernel, sig, dict(consts, ROTATE=rotate)), target=target)
+    k = compile(ASTSource(sca._stream_attention_kernel, sig, dict(BITS=3, QJL=True, ROTATE=rotate, DP=128,
+                                                                  BLOCK_N=t.n, BLOCK_R=t.r)), target=target)
     assert "cubin" in k.asm, list(k.asm)
-sig = dict(common, scores_ptr="*fp32", lse_ptr="*fp32", out_ptr="*fp32")
-sig = {name: sig[name] for name in sca._stream_values_kernel.arg_names}
-k = compile(ASTSource(sca._stream_values_kernel, sig, consts), target=target)
-assert "cubin" in k.asm, list(k.asm)
 from kvshrink.kernels import shard_ring
 sig = {name: "constexpr" if name.isupper() else "i32" for name in shard_ring._put_kernel.arg_names}
 sig.update(key_ptr="*fp32", value_ptr="*fp32", kv_ptr="*fp16", peak_ptr="*i32")

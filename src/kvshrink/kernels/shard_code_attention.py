@@ -513,81 +513,65 @@ def _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes):
 
 
 @triton.jit
-def _stream_scores_kernel(codes_ptr, norm_ptr, centroids_ptr, q_ptr, signs_ptr, qjl_norm_ptr, qs_ptr, rot_ptr,
-                          sketch_ptr, out_ptr, scaling, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
-                          rot_row_stride, rot_col_stride, BITS: tl.constexpr, QJL: tl.constexpr,
-                          ROTATE: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    # ROTATE: the queries come as they are and are rotated here (decode: few rows, no torch op before);
-    # else rotated (and sketched) already
-    pid_bh = tl.program_id(0)
-    offs_t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_ok = offs_t < n
-    offs_i = tl.arange(0, DP)
-    i_ok = offs_i < dim
-    row0 = pid_bh * capacity    # the codes' rows are `capacity` tokens apart (the stream's buffer)
-    y = _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
-    norm = tl.load(norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
-    if QJL:
-        z = _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
-        resid = tl.load(qjl_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
-    if ROTATE:
-        rot = _square(rot_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride)
-        if QJL:
-            sketch = _square(sketch_ptr, offs_i, i_ok, dim, 1)
-    for r0 in range(0, rows, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rows
-        q_at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
-        q = tl.load(q_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
-        if ROTATE:
-            q = tl.dot(q, rot, input_precision="ieee")
-        sc = tl.dot(q, tl.trans(y), input_precision="ieee")
-        if QJL:
-            if ROTATE:
-                qs = tl.dot(q, tl.trans(sketch), input_precision="ieee")
-            else:
-                qs = tl.load(qs_ptr + q_at, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
-            sc += tl.dot(qs, tl.trans(z), input_precision="ieee") * resid[None, :]
-        sc = sc * norm[None, :] * scaling
-        tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :], sc,
-                 mask=r_ok[:, None] & t_ok[None, :])
-
-
-@triton.jit
-def _stream_values_kernel(scores_ptr, lse_ptr, codes_ptr, norm_ptr, centroids_ptr, signs_ptr, qjl_norm_ptr,
-                          rot_ptr, sketch_ptr, out_ptr, qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim,
-                          rot_row_stride, rot_col_stride, BITS: tl.constexpr, QJL: tl.constexpr,
-                          DP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _stream_attention_kernel(k_codes_ptr, k_norm_ptr, k_signs_ptr, k_qjl_ptr, v_codes_ptr, v_norm_ptr, v_signs_ptr,
+                             v_qjl_ptr, centroids_ptr, q_ptr, qs_ptr, rot_ptr, sketch_ptr, out_ptr, lse_ptr, scaling,
+                             qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim, rot_row_stride, rot_col_stride,
+                             BITS: tl.constexpr, QJL: tl.constexpr, ROTATE: tl.constexpr, DP: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # one pass over the stream per block of query rows, softmax online: scores from the key codes against
+    # the rotated queries (QJL sketch term included), probabilities times norms summed against the value
+    # codes' centroids, unrotated at the end. ROTATE: the queries come as they are and are rotated here
+    # (decode: few rows); else rotated (and sketched) already
     pid_bh = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rows
     offs_i = tl.arange(0, DP)
     i_ok = offs_i < dim
     row0 = pid_bh * capacity    # the codes' rows are `capacity` tokens apart (the stream's buffer)
-    lse = _rows_lse(scores_ptr, pid_bh * rows, offs_r, r_ok, n, BLOCK_N, BLOCK_R)    # no torch op between
-    tl.store(lse_ptr + pid_bh * rows + offs_r, lse, mask=r_ok)
+    q_at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
+    q_ok = r_ok[:, None] & i_ok[None, :]
+    q = tl.load(q_ptr + q_at, mask=q_ok, other=0.0).to(tl.float32)
+    if ROTATE:
+        q = tl.dot(q, _square(rot_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride), input_precision="ieee")
+    if QJL:
+        if ROTATE:
+            qs = tl.dot(q, tl.trans(_square(sketch_ptr, offs_i, i_ok, dim, 1)), input_precision="ieee")
+        else:
+            qs = tl.load(qs_ptr + q_at, mask=q_ok, other=0.0)
+    top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    total = tl.full((BLOCK_R,), 0.0, tl.float32)
     acc = tl.full((BLOCK_R, DP), 0.0, tl.float32)
     acc_z = tl.full((BLOCK_R, DP), 0.0, tl.float32)
     for t0 in range(0, n, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_ok = offs_t < n
-        sc = tl.load(scores_ptr + (pid_bh * rows + offs_r[:, None]) * n + offs_t[None, :],
-                     mask=r_ok[:, None] & t_ok[None, :], other=float("-inf"))
-        norm = tl.load(norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
-        w = tl.exp(sc - tl.where(r_ok, lse, 0.0)[:, None]) * norm[None, :]
-        y = _turbo_rows(codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
-        acc = tl.dot(w, y, acc, input_precision="ieee")
+        y = _turbo_rows(k_codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
+        sc = tl.dot(q, tl.trans(y), input_precision="ieee")
         if QJL:
-            z = _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
-            resid = tl.load(qjl_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
-            acc_z = tl.dot(w * resid[None, :], z, acc_z, input_precision="ieee")
+            z = _turbo_signs(k_signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
+            resid = tl.load(k_qjl_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
+            sc += tl.dot(qs, tl.trans(z), input_precision="ieee") * resid[None, :]
+        norm = tl.load(k_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+        sc = tl.where(t_ok[None, :], sc * norm[None, :] * scaling, float("-inf"))
+        new_top = tl.maximum(top, tl.max(sc, 1))
+        shrink = tl.exp(top - new_top)
+        p = tl.exp(sc - new_top[:, None])
+        total = total * shrink + tl.sum(p, 1)
+        top = new_top
+        w = p * tl.load(v_norm_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32)[None, :]
+        y = _turbo_rows(v_codes_ptr, row0, offs_t, t_ok, offs_i, i_ok, n_bytes, centroids_ptr, BITS)
+        acc = tl.dot(w, y, acc * shrink[:, None], input_precision="ieee")
+        if QJL:
+            z = _turbo_signs(v_signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes)
+            resid = tl.load(v_qjl_ptr + row0 + offs_t, mask=t_ok, other=0.0).to(tl.float32) * qjl_scale
+            acc_z = tl.dot(w * resid[None, :], z, acc_z * shrink[:, None], input_precision="ieee")
     if QJL:   # the sketch term, back from the sketch's space
         acc = tl.dot(acc_z, _square(sketch_ptr, offs_i, i_ok, dim, 1), acc, input_precision="ieee")
     # unrotated here: out = acc @ rotation.T
-    out = tl.dot(acc, tl.trans(_square(rot_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride)),
+    out = tl.dot(acc / total[:, None], tl.trans(_square(rot_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride)),
                  input_precision="ieee")
-    at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
-    tl.store(out_ptr + at, out, mask=r_ok[:, None] & i_ok[None, :])
+    tl.store(out_ptr + q_at, out, mask=q_ok)
+    tl.store(lse_ptr + pid_bh * rows + offs_r, top + tl.log(total), mask=r_ok)
 
 
 @triton.jit
@@ -622,9 +606,9 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     """Attention of grouped ``query [B, H_kv, R, d]`` over TurboQuant-coded ``keys`` and ``values``
     (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors, quantizer ``turbo``), with no host
     synchronisation and nothing decoded to memory: ``(out [B, H_kv, R, d], lse [B, H_kv, R])`` float32,
-    `TurboQuantizer.inner_products` / `weighted_sum` in two kernels (scores from the codes against the
-    rotated queries, QJL sketch term included; probabilities times norms summed against the codes'
-    centroids, then unrotated). ``keys`` and ``values`` may be views of the stream's buffer.
+    `TurboQuantizer.inner_products` / softmax / `weighted_sum` in one kernel launch (scores from the key
+    codes against the rotated queries, QJL sketch term included, softmax online; probabilities times norms
+    summed against the value codes' centroids, then unrotated). ``keys`` and ``values`` may be views of the stream's buffer.
     """
     tiles = tiles or default_tiles()
 
@@ -653,21 +637,16 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
             return dummy, dummy, 1
         return code.qjl_signs, code.qjl_norm, code.qjl_signs.shape[-1]
 
-    scores = torch.empty(batch, heads, rows, n, dtype=torch.float32, device=device)
-    signs, qjl_norm, sign_bytes = qjl_args(keys)
-    with counting.kernel_launch("shard_stream_scores"):
-        _stream_scores_kernel[(batch * heads, triton.cdiv(n, tiles.n))](
-            keys.codes, keys.norm, centroids, q, signs, qjl_norm, qs, rotation, sketch_arg, scores,
-            float(scaling), qjl_scale, n, capacity, keys.codes.shape[-1], sign_bytes, rows, dim, *rotation.stride(),
-            BITS=turbo.bits, QJL=qjl, ROTATE=rotate, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     lse = torch.empty(batch, heads, rows, dtype=torch.float32, device=device)
     out = torch.empty(batch, heads, rows, dim, dtype=torch.float32, device=device)
-    signs, qjl_norm, sign_bytes = qjl_args(values)
-    with counting.kernel_launch("shard_stream_values"):
-        _stream_values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
-            scores, lse, values.codes, values.norm, centroids, signs, qjl_norm, rotation, sketch_arg, out,
-            qjl_scale, n, capacity, values.codes.shape[-1], sign_bytes, rows, dim, *rotation.stride(),
-            BITS=turbo.bits, QJL=qjl, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+    k_signs, k_qjl, sign_bytes = qjl_args(keys)
+    v_signs, v_qjl, _ = qjl_args(values)
+    with counting.kernel_launch("shard_stream_attention"):
+        _stream_attention_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
+            keys.codes, keys.norm, k_signs, k_qjl, values.codes, values.norm, v_signs, v_qjl, centroids, q, qs,
+            rotation, sketch_arg, out, lse, float(scaling), qjl_scale, n, capacity, keys.codes.shape[-1],
+            sign_bytes, rows, dim, *rotation.stride(), BITS=turbo.bits, QJL=qjl, ROTATE=rotate, DP=dp,
+            BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     return out, lse
 
 
