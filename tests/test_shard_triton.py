@@ -333,6 +333,25 @@ def test_a_row_whose_tokens_are_all_held_contributes_nothing():
     assert torch.isneginf(lse).all() and bins.abs().sum() == 0
 
 
+
+@pytest.mark.parametrize("half,start,n", [(32, 0, 70), (12, 5000, 9), (64, 131000, 130)])
+def test_pair_rope_kernel_equals_the_steps_rope_tables(half, start, n):
+    """`pair_rope` (one launch) == `StepContext.rope`'s first half at the same positions: rows with their
+    own left padding (positions clamped at 0), a head size whose half is not a power of two, long contexts."""
+    from kvshrink.cache.base import StepContext
+
+    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    offset = torch.tensor([0, 3, 40])
+    ctx = StepContext(start, 1, 1.0, None, offset, type("Rotary", (), {"inv_freq": freqs})(), torch.float32)
+    cos, sin = ctx.rope(ctx.positions(torch.arange(start, start + n)))
+    got_cos, got_sin = sca.pair_rope(freqs, offset, start, n)
+    # the same angles; cos/sin of an angle near 1e5 radians differ by a few float32 ulps between libraries
+    tol = 2e-6 * max(1.0, (start + n) / 1000)
+    torch.testing.assert_close(got_cos, cos[..., :half], atol=tol, rtol=0)
+    torch.testing.assert_close(got_sin, sin[..., :half], atol=tol, rtol=0)
+    if start == 0:   # row 1's three padding tokens and its first token all sit at position 0
+        assert (got_cos[1, :4] == 1).all() and (got_sin[1, :4] == 0).all() and got_sin[1, 4, 0] != 0
+
 # ---- the decode stream (TurboQuant codes) ------------------------------------------------------------------
 
 @pytest.mark.parametrize("dim,bits,qjl,rows", [(64, 4, False, 3), (64, 3, True, 20), (24, 2, False, 4),
@@ -564,6 +583,11 @@ for rotate in (True, False):
     k = compile(ASTSource(sca._stream_attention_kernel, sig, dict(BITS=3, QJL=True, ROTATE=rotate, DP=128,
                                                                   BLOCK_N=t.n, BLOCK_R=t.r)), target=target)
     assert "cubin" in k.asm, list(k.asm)
+k = compile(ASTSource(sca._pair_rope_kernel, dict(freq_ptr="*fp32", offset_ptr="*i64", cos_ptr="*fp32",
+                                                   sin_ptr="*fp32", start="i32", n="i32", half="i32",
+                                                   HALF="constexpr", BLOCK_N="constexpr"),
+                      dict(HALF=64, BLOCK_N=64)), target=target)
+assert "cubin" in k.asm, list(k.asm)
 from kvshrink.kernels import shard_ring
 sig = {name: "constexpr" if name.isupper() else "i32" for name in shard_ring._put_kernel.arg_names}
 sig.update(key_ptr="*fp32", value_ptr="*fp32", kv_ptr="*fp16", peak_ptr="*i32")

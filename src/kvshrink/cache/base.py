@@ -85,6 +85,10 @@ class StepContext:
         idx = index if index.dim() == 2 else index.unsqueeze(0)
         return (idx.long() - self.offset[:, None]).clamp(min=0)
 
+    def rope_frequencies(self, device: torch.device) -> torch.Tensor:
+        """float32 ``[d/2]``: the rotary module's frequencies (pair ``i`` turns by ``position * f[i]``)."""
+        return self._rotary.inv_freq.to(device=device, dtype=torch.float32)
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(cos, sin)`` ``[B, n, d]`` of the model's RoPE rotation at ``positions [B, n]``.
 
@@ -94,8 +98,7 @@ class StepContext:
         inverses whatever the scaling (the keys a method sees "before RoPE" carry the factor), and float32
         whatever the model's dtype. Only rope types whose frequencies never change are accepted by a
         method that undoes RoPE (``kvshrink.models.require_exact_rope``)."""
-        inv_freq = self._rotary.inv_freq.to(device=positions.device, dtype=torch.float32)
-        freqs = positions[..., None].float() * inv_freq
+        freqs = positions[..., None].float() * self.rope_frequencies(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 

@@ -13,6 +13,7 @@ from kvshrink.codecs.bit_allocation import PCA_BITS
 from kvshrink.codecs.rope import rope_phases
 from kvshrink.codecs.scalar_levels import unit_levels
 from kvshrink.codecs.vq import gaussian_codebook
+from kvshrink.kernels.backend import gpu_path, triton_available
 from kvshrink.methods.shard.config import ShardConfig
 
 
@@ -61,6 +62,10 @@ class ShardShared:
         """float32 ``(cos, sin)`` ``[B, n, d/2]`` of each RoPE pair (the fused kernel's layout), memoised;
         of ``start + rows`` when ``rows`` is given."""
         def make():
+            if gpu_path(ctx.offset) and triton_available():  # one launch, not a dozen small ops
+                from kvshrink.kernels.shard_code_attention import pair_rope
+
+                return pair_rope(ctx.rope_frequencies(ctx.offset.device), ctx.offset, start, n)
             phases = self.phases(ctx, start, n)[:, 0]
             return phases.real.contiguous(), phases.imag.contiguous()
 
