@@ -403,6 +403,28 @@ def test_the_indexed_codeword_search_picks_what_the_full_search_picks(monkeypatc
     assert torch.equal(fused.nearest_codewords(rows[:1000], other), assign_codes_torch(rows[:1000], other).int())
 
 
+
+@pytest.mark.skipif(not __import__("kvshrink.codecs.fused", fromlist=["x"]).available(), reason="numba not installed")
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
+def test_the_one_pass_level_codes_equal_the_torch_ops(bits, monkeypatch):
+    """`quantize_unit` on CPU (`fused.level_codes`, one pass) gives the torch ops' codes: values on the bounds,
+    beyond the outer levels, +-inf and NaN (0 for the comparisons up to 4 bits, the last code as bucketize
+    gives it above)."""
+    from kvshrink.codecs import fused
+    from kvshrink.codecs.scalar_levels import quantize_unit, unit_levels
+
+    levels = unit_levels(bits, "lloyd")
+    bounds = (levels[1:] + levels[:-1]) / 2
+    g = torch.Generator().manual_seed(bits)
+    z = torch.cat([torch.randn(3000, generator=g) * 1.5, bounds, bounds.nextafter(torch.tensor(-9.0)),
+                   levels * 3, torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0])]).reshape(1, -1)
+    fast = quantize_unit(z, bits, "lloyd")
+    monkeypatch.setattr(fused, "available", lambda: False)
+    torch_ops = quantize_unit(z, bits, "lloyd")
+    assert fast.dtype == torch.uint8 and fast.shape == z.shape
+    assert torch.equal(fast.long(), torch_ops.long())
+
+
 def test_pca_column_scale_is_multiplied_back_on_decode():
     """Rows coded divided by a per-column scale (Shard's key_weights=query) decode to the original rows."""
     g = torch.Generator().manual_seed(3)

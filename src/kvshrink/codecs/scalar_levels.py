@@ -86,6 +86,10 @@ def quantize_unit(z: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
         return torch.clamp(torch.round(z), -qmax, qmax).long() + qmax
     levels = unit_levels(bits, kind, z.device)
     bounds = (levels[1:] + levels[:-1]) / 2
+    from . import fused
+
+    if z.device.type == "cpu" and bits <= 8 and fused.available():  # one pass (the same codes, uint8)
+        return fused.level_codes(z, bounds, nan_last=bits > 4)
     if bits > 4:
         return torch.bucketize(z.contiguous(), bounds)
     # Few boundaries: counting the ones below is faster than a binary search on CPU. uint8 codes (an
