@@ -192,8 +192,9 @@ DECODE_ROWS = [
 _LAYERS = 4  # enough layers that the per-step bookkeeping (on layer 0) is amortised as on a real model
 
 
-def _decode_count(spec: str, options: dict, batch_pad: bool = False, tokens: int = 40):
-    model = tiny_model(num_hidden_layers=2 if batch_pad else _LAYERS, attn_implementation="sdpa")
+def _decode_count(spec: str, options: dict, batch_pad: bool = False, tokens: int = 40,
+                  dtype: torch.dtype = torch.float32):
+    model = tiny_model(num_hidden_layers=2 if batch_pad else _LAYERS, attn_implementation="sdpa").to(dtype)
     rows = prompts([tokens, tokens - 7] if batch_pad else [tokens])
     ids, mask = left_pad(rows)
     from kvshrink.kernels.lrqk_factor import in_interpreter
@@ -227,6 +228,16 @@ def test_decode_step_syncs_and_launches(spec, options, max_syncs, max_ratio, sto
         assert count.layer_launches <= max_ratio * stock_count.layer_launches, count.describe()
     if max_syncs == 0:  # the mask function of the "kvshrink" implementation does not sync either
         assert count.step_syncs == 0, count.describe()
+
+
+def test_a_16_bit_models_steady_shard_layer_launches_at_most_3x_a_stock_layer():
+    """With a bfloat16 model the new token is written into the ring and attended from it (no exact kernel of
+    its own): every layer but the first (which also makes the step's RoPE tables and overflow check)
+    launches 9 kernels, 3x a stock layer's 3."""
+    stock = _decode_count("stock", {}, dtype=torch.bfloat16)
+    shard = _decode_count("shard", {"window": 8, "min_block": 16}, dtype=torch.bfloat16)
+    assert max(stock.per_layer_launches) == 3, stock.describe()
+    assert max(shard.per_layer_launches[1:]) <= 3 * 3 and shard.step_syncs == 0, shard.describe()
 
 
 @pytest.mark.parametrize("spec,options", [("full", {}), ("streaming", {"sinks": 2, "window": 8})])
