@@ -375,7 +375,8 @@ def test_salient_tokens_of_an_evicting_block_hold_the_models_keys_and_values_of_
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
     full = kvshrink.make_cache("full", model)
-    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, evict=0.2, salient=0.1, salient_dtype="exact")
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, evict=0.2, salient=0.1, salient_dtype="exact",
+                                  min_block=8)
     prefill(model, full, ids)
     prefill(model, shard, ids)
     checked = 0
@@ -427,22 +428,61 @@ def test_eviction_drops_only_tokens_holding_at_most_the_given_attention_share():
 @pytest.mark.parametrize("scope", ["head", "layer"])
 def test_evicted_blocks_attend_exactly_over_the_tokens_they_keep(scope):
     model = tiny_llama()
-    kept = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, pca_scope=scope, evict=0.1)
-    every = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, pca_scope=scope)
+    kept = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, pca_scope=scope, evict=0.1,
+                                 min_block=8)
+    every = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, pca_scope=scope, evict=0.0)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     prefill(model, kept, ids)
     prefill(model, every, ids)
-    block = kept.layers[0].middle[0]
+    block, = kept.layers[0].middle
+    unread, = kept.layers[0].unread
     assert block.span == 280 and 0 < block.n < 280 and block.token_index("cpu").shape == (block.n,)
-    # the store holds only the kept rows (and their 1-bit map, counted)
-    assert kept.breakdown()["middle_kept"] == sum(math.ceil(280 / 8) for _ in kept.layers)
-    assert kept.nbytes() < every.nbytes()
-    # attention from the packed store == exact attention over the rebuilt kept tokens at their positions
+    # until the prompt's first decode step the evicted tokens are held too, as a block of their own
+    assert unread.span == 280 and unread.n == 280 - block.n and unread.salient is None
+    tokens = torch.cat([block.token_index("cpu"), unread.token_index("cpu")])
+    assert torch.equal(tokens.sort().values, torch.arange(4, 284))
     check_equivalence(kept, 1)
     with torch.no_grad():
         for t in range(3):
             model(torch.tensor([[t + 1]]), past_key_values=kept)
+            model(torch.tensor([[t + 1]]), past_key_values=every)
+    # the first decode step dropped them: the store holds only the kept rows (and their 1-bit map, counted)
+    assert all(not layer.unread and len(layer.middle) == 1 for layer in kept.layers)
+    assert kept.breakdown()["middle_kept"] == sum(math.ceil(280 / 8) for _ in kept.layers)
+    assert kept.nbytes() < every.nbytes()
+    # attention from the packed store == exact attention over the rebuilt kept tokens at their positions
     check_equivalence(kept, 1, seed=2)
+
+
+def test_evicted_tokens_stay_when_the_prompt_is_continued_forked_or_saved(tmp_path):
+    """A document prefilled alone did not end with its question: a fork or a saved copy asked a question
+    later (a step of several tokens) keeps every token; the cache decoding right after its prompt drops the
+    evicted ones, and the fork's continuation never touches the parent."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    doc = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.1, min_block=8)
+    prefill(model, doc, ids)
+    held = [(len(layer.middle), len(layer.unread)) for layer in doc.layers]
+    assert all(m == 1 and u == 1 for m, u in held)
+    doc.save(tmp_path / "doc.kvs")
+    loaded = kvshrink.load_cache(tmp_path / "doc.kvs", model)
+    for cache in (doc.fork(), loaded):
+        question = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            model(question, past_key_values=cache)
+            model(torch.tensor([[7]]), past_key_values=cache)
+        assert all(not layer.unread and len(layer.middle) == 2 for layer in cache.layers)
+        assert cache.stats()["middle_tokens"] == 280 * len(cache.layers)
+    assert [(len(layer.middle), len(layer.unread)) for layer in doc.layers] == held  # the parent is untouched
+    before = doc.nbytes()
+    with torch.no_grad():
+        model(torch.tensor([[7]]), past_key_values=doc)
+    assert all(not layer.unread and len(layer.middle) == 1 for layer in doc.layers) and doc.nbytes() < before
+    assert doc.stats()["middle_tokens"] < 280 * len(doc.layers)
+    # fewer evicted tokens than min_block are not worth a block of their own: every token stays
+    few = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.1, min_block=200)
+    prefill(model, few, ids)
+    assert all(not layer.unread and layer.middle[0].kept is None for layer in few.layers)
 
 
 def test_eviction_keeps_the_needle_the_last_queries_read_and_its_neighbours():

@@ -28,14 +28,15 @@ def assert_fast_equals_reference(cache, batch, rows=(1, 3), layers=None, ctx=Non
     g = torch.Generator().manual_seed(3)
     checked = 0
     for layer in layers or cache.layers:
-        for block in layer.middle:
+        for block in layer.blocks():        # the unread blocks held until decoding too
             for q_len in rows:
                 q = torch.randn(batch, info.num_q_heads, q_len, info.head_dim, generator=g) * 2
                 assert layer.use_fast_kernel(q)
                 got = layer.fused_middle_partial(block, q, ctx)
                 want = merge_partials(layer.reference_middle_partials(block, q, ctx))
                 torch.testing.assert_close(got.out, want.out, atol=2e-5, rtol=1e-4)  # float32 summation order
-                torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
+                # scores reach ~20 here (queries x2): float32 rounding of the rebuilt keys moves them by ~1e-5
+                torch.testing.assert_close(got.lse, want.lse, atol=1e-4, rtol=1e-5)
                 checked += 1
     assert checked > 0
 
@@ -51,13 +52,15 @@ def assert_fast_equals_reference(cache, batch, rows=(1, 3), layers=None, ctx=Non
     dict(v_group=2, v_codebook=16),                           # 4-bit value codes
     dict(v_group=8, v_codebook=32),                           # 5-bit value codes straddle bytes
     dict(key_weights="query"),                                # per-column scale folded into the tables
-    dict(evict=0.1, salient=0.05),                            # evicted tokens: RoPE at the kept positions
+    dict(evict=0.1, salient=0.05, min_block=8),               # evicted tokens: RoPE at the kept positions
 ])
 def test_fused_block_attention_equals_reference(opts):
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, kernel="fast", **opts)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids)
+    if opts.get("evict"):  # the kept rows' block and the evicted rows' block (held until decoding)
+        assert all(layer.middle[0].kept is not None and layer.unread for layer in cache.layers)
     assert_fast_equals_reference(cache, 1)
 
 

@@ -71,7 +71,7 @@ def assert_triton_equals_reference(cache, batch=1, q_lens=(1,), atol=2e-5, rtol=
     g = torch.Generator().manual_seed(3)
     info, checked = cache.info, 0
     for layer, ctx in row_layers(cache, batch):
-        for block in layer.middle:
+        for block in layer.blocks():
             for q_len in q_lens:
                 q = torch.randn(1, info.num_q_heads, q_len, info.head_dim, generator=g) * 2
                 with force_gpu_path():
@@ -97,7 +97,7 @@ CASES = [
     (dict(key_bits=0.75, pca_scope="layer"), dict(q_heads=2, kv_heads=2)),             # GQA 1, dropped comps
     (dict(key_bits=2.5, salient=0.05), dict(q_heads=8, kv_heads=1)),                   # GQA 8, held rows
     (dict(key_bits=2.5, salient=0.05, pca_scope="layer"), dict(head_dim=128)),
-    (dict(key_bits=2.5, evict=0.1, salient=0.05), dict()),                             # evicted rows
+    (dict(key_bits=2.5, evict=0.1, salient=0.05, min_block=8), dict()),                # evicted rows
     (dict(v_group=1, v_codebook=8), dict()),                                           # 3-bit value codes
     (dict(v_group=2, v_codebook=32), dict(head_dim=128)),                              # 5-bit value codes
     (dict(key_weights="query", v_group=2, v_codebook=16), dict()),    # (k_levels="uniform": 30 s to set up)
@@ -107,8 +107,8 @@ CASES = [
 @pytest.mark.parametrize("opts,shape", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_triton_block_attention_equals_reference(opts, shape):
     cache = shard_cache(model_with(**shape), **opts)
-    if opts.get("evict"):
-        assert any(block.kept is not None for layer in cache.layers for block in layer.middle)
+    if opts.get("evict"):  # the kept rows' block and the evicted rows' block (held until decoding)
+        assert all(layer.middle[0].kept is not None and layer.unread for layer in cache.layers)
     if opts.get("salient"):
         assert all(block.salient is not None for layer in cache.layers for block in layer.middle)
     assert_triton_equals_reference(cache)
@@ -518,7 +518,7 @@ def _caller_file() -> str:
 
 def test_a_decode_step_on_the_gpu_path_reads_nothing_back(monkeypatch):
     model = model_with(layers=2)
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.05, evict=0.05,
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.05, evict=0.05, min_block=2,
                                exact_dtype="model", **SMALL)
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(0))
     originals = {name: getattr(shard_layer.ShardLayer, name) for name in ("past_partials", "commit")}

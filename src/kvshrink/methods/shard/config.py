@@ -25,7 +25,7 @@ class ShardConfig:
 
     sinks: int = option(4, "first tokens kept exact (attention sinks)", low=0)
     window: int = option(64, "most recent tokens kept exact", low=0)
-    key_bits: float = option(2.5, "bits per key element for the compressed middle (PCA coefficients)",
+    key_bits: float = option(3.0, "bits per key element for the compressed middle (PCA coefficients)",
                              low=0, high=8, low_open=True)
     v_group: int = option(4, "channels per value VQ group (must divide the head size)", low=1)
     v_codebook: int = option(256, "value VQ codebook entries (power of two, 2..256)", low=2, high=256)
@@ -59,17 +59,19 @@ class ShardConfig:
     key_weights: str = option("none", "key PCA error weights per channel: 'none' (plain key error) or 'query' "
                               "(each RoPE pair weighted by the prompt's mean query energy in it: the score "
                               "error)", choices=KEY_WEIGHTS)
-    salient: float = option(0.015, "fraction of each block's middle tokens held apart from its codes per KV "
+    salient: float = option(0.05, "fraction of each block's middle tokens held apart from its codes per KV "
                             "head (exact or 8-bit, see salient_dtype): those the prompt's last `observe` queries "
                             "attend to most (SnapKV-style)", low=0, high=0.5)
-    evict: float = option(0.0, "share of the prompt's observed attention the evicted middle tokens may hold: "
-                          "each block drops its least-attended tokens (by the last `observe` queries, pooled "
-                          "like `salient`) while they hold at most this share of every KV head's attention "
-                          "(0 = keep every token)", low=0, high=0.5)
+    evict: float = option(0.02, "share of the prompt's observed attention the evicted middle tokens may hold: "
+                          "each block's least-attended tokens (by the last `observe` queries, pooled like "
+                          "`salient`) while they hold at most this share of every KV head's attention; coded "
+                          "apart and dropped when a decode step follows the prompt directly (it ended with its "
+                          "question), kept when the prompt is continued, forked or saved first (0 = keep every "
+                          "token)", low=0, high=0.5)
     salient_dtype: str = option("int8", "how salient tokens are held: 'exact' (in exact_dtype) or 'int8' (8-bit "
                                 "codes, one float16 step and zero point per token vector: about half the bytes)",
                                 choices=SALIENT_DTYPES)
-    observe: int = option(32, "last prompt queries whose attention picks the salient and the evicted tokens", low=1)
+    observe: int = option(64, "last prompt queries whose attention picks the salient and the evicted tokens", low=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
     kernel: str = option("fast", "compressed-segment decode on CPU: 'fast' (numba kernels: the middle around "

@@ -74,6 +74,10 @@ class ShardLayer(CacheLayer):
         self._window = ExactStore(dtype)
         self._ring: ExactRing | None = None              # sinks + window while decoding (see `ring_attend`)
         self.middle: list[MiddleBlock] = []
+        # evict > 0: the last prompt's evicted tokens, coded. The prompt ended with its question when a decode
+        # step follows it directly; they are dropped then, and kept as middle blocks otherwise (see
+        # `settle_unread`): a document compressed before its questions keeps every token.
+        self.unread: list[MiddleBlock] = []
         self.stream = TurboSegment()
         self.decoding = False
         self._query_energy: torch.Tensor | None = None   # key_weights="query": [H_kv, d] of the prompt
@@ -81,7 +85,26 @@ class ShardLayer(CacheLayer):
         self._sinks_len: int | None = None               # sinks + the prompt's most left padding
 
     def shared_on_fork(self) -> list:
-        return list(self.middle)  # a compressed block is never changed once made
+        return self.middle + self.unread  # a compressed block is never changed once made
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.settle_unread(key_states.shape[2])
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def settle_unread(self, new_tokens: int) -> None:
+        """The evicted tokens of the last prompt (`unread`) leave the cache when the step after that prompt
+        decodes one token: the prompt ended with its question, whose last queries chose them as unread. A
+        step of several tokens continues the prompt (a question asked after the document, another chunk):
+        then they become middle blocks for good, since the new text may ask for them."""
+        if not self.unread:
+            return
+        if new_tokens > 1:
+            self.middle += self.unread
+        self.unread = []
+
+    def blocks(self) -> list[MiddleBlock]:
+        """Every compressed block attention reads: the middle blocks and the unread ones still held."""
+        return self.middle + self.unread if self.unread else self.middle
 
     # ---- the exact tokens: two stores, or one ring buffer while decoding -------------------------------
     @property
@@ -111,6 +134,7 @@ class ShardLayer(CacheLayer):
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
+        state.setdefault("unread", [])  # files written before evicted tokens were held until decoding
         state["_sinks"], state["_window"] = state.pop("sinks"), state.pop("window")
         self.__dict__.update(state, _ring=None)
 
@@ -127,7 +151,7 @@ class ShardLayer(CacheLayer):
     def code_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         """The partials of the compressed segments: each middle block's, then the stream's."""
         parts = []
-        for block in self.middle:
+        for block in self.blocks():
             parts.extend(self.middle_partials(block, query, ctx))
         if self.stream.n:
             parts.append(self.stream_partial(query, ctx.scaling))
@@ -458,7 +482,9 @@ class ShardLayer(CacheLayer):
         start = self.window.start
         k, v = (x.float() for x in self.window.pop_front(overflow))
         if not self.decoding and overflow >= self.cfg.min_block:
-            self.middle.append(self.compress_block(k, v, start, ctx))
+            block, unread = self.compress_block(k, v, start, ctx)
+            self.middle.append(block)
+            self.unread += [unread] if unread is not None else []
         else:
             self.stream.append(self.shared.turbo.encode(k), self.shared.turbo.encode(v), start, overflow)
 
@@ -508,31 +534,43 @@ class ShardLayer(CacheLayer):
         weight = (energy / energy.mean().clamp_min(1e-30)).clamp_min(_MIN_QUERY_WEIGHT)
         return weight.rsqrt().reshape(-1, width).to(torch.float16)             # [scopes, width]
 
-    def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext) -> MiddleBlock:
-        # One helper per path, so each path's full-size temporaries are freed before the next starts
-        # (extra peak memory stays below one layer's prompt K+V; measured by a test).
+    def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext
+                       ) -> tuple[MiddleBlock, MiddleBlock | None]:
+        """The chunk's middle tokens ``start ..`` coded as a block, and, when ``evict`` drops some, a second
+        block of the dropped ones (their own PCA fit, no salient rows): the caller holds it until it knows
+        whether the prompt ended with its question (see `settle_unread`)."""
         observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
         importance = None
         if observer is not None and (self.cfg.salient > 0 or self.cfg.evict > 0):
             importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
-        span, kept, rows = key.shape[2], None, None
+        keep = None
         if importance is not None and self.cfg.evict > 0:
             keep = tokens_to_keep(importance, self.cfg.evict)
-            if not bool(keep.all()):
-                rows = keep.nonzero().squeeze(-1)
-                importance = importance[..., rows]
-                kept = pack_bits(keep.to(torch.uint8), 1)
-        # The kept rows are selected one head at a time inside the encoders: a copy of the layer's kept
+            dropped = int((~keep).sum())
+            # fewer than min_block tokens are not worth a block of their own (bases, scales): all stay
+            keep = keep if dropped >= self.cfg.min_block and keep.numel() - dropped >= 2 else None
+        # One helper call per block, so each block's full-size temporaries are freed before the next starts
+        # (extra peak memory stays below one layer's prompt K+V; measured by a test).
+        kept = self.encode_block(key, value, start, ctx, keep, importance)
+        return kept, None if keep is None else self.encode_block(key, value, start, ctx, ~keep, None)
+
+    def encode_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext,
+                     keep: torch.Tensor | None, importance: torch.Tensor | None) -> MiddleBlock:
+        """A `MiddleBlock` of the tokens ``keep [span]`` marks (all when None), its salient rows the most
+        important of them when ``importance [B, H_kv, span]`` is given."""
+        span, rows = key.shape[2], None if keep is None else keep.nonzero().squeeze(-1)
+        # The block's rows are selected one head at a time inside the encoders: a copy of the layer's kept
         # K/V would double the compression's extra peak memory.
         keys = self.encode_keys(key, start, ctx, rows, span)
         v_codes, codebook, scale = self.encode_values(value, rows)
         salient = None
         if self.cfg.salient > 0 and importance is not None:
-            salient = pick_salient(importance, key, value, self.cfg.salient, self._sinks.dtype, rows,
-                                   held=self.cfg.salient_dtype)
+            salient = pick_salient(kept_rows(importance, rows, 2), key, value, self.cfg.salient, self._sinks.dtype,
+                                   rows, held=self.cfg.salient_dtype)
         n = span if rows is None else rows.numel()
-        block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook,
-                            v_scale=scale, salient=salient, kept=kept, span=span if kept is not None else 0)
+        kept = None if keep is None else pack_bits(keep.to(torch.uint8), 1)
+        block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook, v_scale=scale,
+                            salient=salient, kept=kept, span=span if kept is not None else 0)
         if rows is not None and backend.gpu_path(key):
             block.derived.rows = rows  # the decode steps' RoPE positions, without a sync on first use
         return block
@@ -611,7 +649,7 @@ class ShardLayer(CacheLayer):
             if len(run):
                 keys.append(run.keys.float()), values.append(run.values.float())
                 index.append(run.token_index())
-        for block in self.middle:
+        for block in self.blocks():
             k = self.middle_keys(block, 0, block.n, ctx)
             b, h = block.v_codes.shape[:2]
             eye = torch.eye(block.n, device=device).expand(b, h, block.n, block.n)
@@ -641,24 +679,25 @@ class ShardLayer(CacheLayer):
             out = {"sinks": held_bytes(self._sinks.tensors()), "window": held_bytes(self._window.tensors())}
         for kind in ("k_codes", "k_scales", "k_bases", "v_codes", "v_scales", "v_codebooks", "salient", "kept"):
             out[f"middle_{kind}"] = 0
-        for block in self.middle:
+        for block in self.blocks():
             for kind, tensors in block.parts().items():
                 out[f"middle_{kind}"] += held_bytes(tensors)
         out["stream"] = held_bytes(self.stream.tensors())
         # what the decode paths derive per block (built on first use): the fast kernel's slot plans
         # (integers), the GPU path's kept rows, bit layout and kernel inputs
-        out["middle_slot_plans"] = sum(block.derived.slot_plan_nbytes() for block in self.middle)
-        out["middle_device_plans"] = sum(block.derived.device_nbytes() for block in self.middle)
+        out["middle_slot_plans"] = sum(block.derived.slot_plan_nbytes() for block in self.blocks())
+        out["middle_device_plans"] = sum(block.derived.device_nbytes() for block in self.blocks())
         return out
 
     def nbytes(self) -> int:
         return sum(self.breakdown().values())
 
     def stats(self) -> dict[str, float]:
-        return {"middle_tokens": float(sum(b.n for b in self.middle)), "stream_tokens": float(self.stream.n)}
+        return {"middle_tokens": float(sum(b.n for b in self.middle)), "unread_tokens": float(sum(b.n for b in self.unread)),
+                "stream_tokens": float(self.stream.n)}
 
     def clear(self) -> None:
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
         self._sinks, self._window, self._ring = ExactStore(dtype), ExactStore(dtype), None
-        self.middle, self.stream, self.decoding = [], TurboSegment(), False
+        self.middle, self.unread, self.stream, self.decoding = [], [], TurboSegment(), False
         self._query_energy = self._observer = self._sinks_len = None
