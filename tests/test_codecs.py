@@ -436,3 +436,27 @@ def test_pca_column_scale_is_multiplied_back_on_decode():
     torch.testing.assert_close(code.decode(), unscaled * scale.float(), atol=1e-5, rtol=1e-5)
     assert (code.decode() - x).pow(2).mean() < 1e-2 * x.pow(2).mean()
     assert any(t is code.column_scale for t in code.parts()["scales"])  # its bytes are counted
+
+
+def test_the_step_search_picks_what_a_search_one_multiplier_at_a_time_picks():
+    """`_best_steps` tries every step multiplier at once; each multiplier's error alone (the search as first
+    written) must choose the same step, for every width, level kind, sample size and spread."""
+    import itertools
+
+    from kvshrink.codecs.pca import _SCALE_MULTIPLIERS, _best_steps
+    from kvshrink.codecs.scalar_levels import quantize_unit, unit_levels
+
+    def one_at_a_time(rows, base, bits, levels):
+        if rows.shape[0] > 1024:
+            rows = rows[torch.linspace(0, rows.shape[0] - 1, 1024).long()]
+        table = unit_levels(bits, levels)
+        steps = base.unsqueeze(0) * torch.tensor(_SCALE_MULTIPLIERS).unsqueeze(1)
+        err = torch.stack([(rows - table[quantize_unit(rows / s, bits, levels).long()] * s).pow(2).sum(0) for s in steps])
+        return steps.gather(0, err.argmin(0, keepdim=True)).squeeze(0)
+
+    g = torch.Generator().manual_seed(0)
+    for n, r, bits, levels in itertools.product([5, 1024, 3000], [1, 4, 16], [2, 4, 6, 8], ["lloyd", "uniform"]):
+        x = torch.randn(n, r, generator=g) * torch.rand(r, generator=g) * 5
+        for rows in (x, x.pow(3)):                                    # Gaussian and heavy-tailed
+            base = rows.std(0).clamp_min(1e-8)
+            assert torch.equal(_best_steps(rows, base, bits, levels), one_at_a_time(rows, base, bits, levels))
