@@ -451,7 +451,8 @@ def test_the_step_search_picks_what_a_search_one_multiplier_at_a_time_picks():
             rows = rows[torch.linspace(0, rows.shape[0] - 1, 1024).long()]
         table = unit_levels(bits, levels)
         steps = base.unsqueeze(0) * torch.tensor(_SCALE_MULTIPLIERS).unsqueeze(1)
-        err = torch.stack([(rows - table[quantize_unit(rows / s, bits, levels).long()] * s).pow(2).sum(0) for s in steps])
+        err = torch.stack([(rows - table[quantize_unit(rows / s, bits, levels).long()] * s).pow(2).sum(0)
+                           for s in steps])
         return steps.gather(0, err.argmin(0, keepdim=True)).squeeze(0)
 
     g = torch.Generator().manual_seed(0)

@@ -484,7 +484,8 @@ class ShardLayer(CacheLayer):
         if not self.decoding and overflow >= self.cfg.min_block:
             block, unread = self.compress_block(k, v, start, ctx)
             self.middle.append(block)
-            self.unread += [unread] if unread is not None else []
+            if unread is not None:
+                self.unread.append(unread)
         else:
             self.stream.append(self.shared.turbo.encode(k), self.shared.turbo.encode(v), start, overflow)
 
@@ -693,8 +694,8 @@ class ShardLayer(CacheLayer):
         return sum(self.breakdown().values())
 
     def stats(self) -> dict[str, float]:
-        return {"middle_tokens": float(sum(b.n for b in self.middle)), "unread_tokens": float(sum(b.n for b in self.unread)),
-                "stream_tokens": float(self.stream.n)}
+        return {"middle_tokens": float(sum(b.n for b in self.middle)),
+                "unread_tokens": float(sum(b.n for b in self.unread)), "stream_tokens": float(self.stream.n)}
 
     def clear(self) -> None:
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
