@@ -101,39 +101,40 @@ def test_fast_and_reference_caches_decode_the_same_tokens():
 
 
 def test_the_coefficient_decoder_reads_every_run_layout():
-    """The fast path's coefficients (one byte-table lookup per byte of byte-aligned runs, four levels
-    copied whatever the byte holds, as two 8-byte words when every byte starts at an even component,
-    shifts across bytes for the 6-bit ones, zeros past a scope's rank) == the codes' own levels, and the
-    keys built from them == the codes' decode: 8-, 6-, 4- and 2-bit runs, both level kinds, scopes of
-    other ranks, both copy widths."""
+    """The fast path's coefficients (a byte-table lookup per byte of 2-, 4- and 8-bit runs, as 8-byte words
+    where a run starts at an even component, four 6-bit codes per three bytes, a run's last codes one at a
+    time, zeros past a scope's rank) == the codes' own levels, and the keys built from them == the codes'
+    decode: runs at even and odd components, 6-bit runs of whole and partial groups of four, both level
+    kinds, scopes of other ranks."""
     from kvshrink.codecs.table_decoder import scaled_bases
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 50, 12, generator=g) * torch.linspace(3, 0.1, 12)
     fit = fit_pca(x.reshape(-1, 12), 12)
-    layouts = {"odd": ([8, 6, 6, 4, 4, 4, 2, 2, 2, 0, 0, 0], [6, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 0]),
-               "even": ([4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0], [4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2])}
+    layouts = {"odd": ([8, 6, 6, 4, 4, 4, 2, 2, 2, 0, 0, 0], [6, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 0],
+                       [8, 4, 4, 4, 2, 2, 2, 2, 2, 0, 0, 0]),
+               "even": ([4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0], [6, 6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2],
+                        [8, 8, 6, 6, 6, 6, 4, 4, 4, 2, 2, 2])}
     for levels in ("lloyd", "uniform"):
-        for name, bits in layouts.items():
-            codes = [encode_pca(x, fit, b, levels=levels) for b in bits]
+        for bits_sets in layouts.values():
+            codes = [encode_pca(x, fit, b, levels=levels) for b in bits_sets]
             plan = slot_plan(codes)
-            assert plan.even_byte_columns == (name == "even")
             rank = max(c.rank for c in codes)
             lut = fused.byte_levels(levels, (2, 4, 6, 8))
-            for pairs in {False, plan.even_byte_columns}:
-                coef = torch.full((len(codes), 2, 45, rank + fused._SPARE + rank % 2), float("nan"))
-                for s, code in enumerate(codes):
-                    words = coef[s].numpy().view(np.int64) if pairs else fused._NO_PAIRS
-                    fused._coefficients(code.codes.numpy(), plan.scope_byte_ops(s), plan.runs[s],
-                                        plan.run_counts[s], lut, lut.view(np.int64), 5, coef[s].numpy(), words)
-                coef = coef[..., :rank]  # the spare columns take what a run's last byte spills
-                scaled, mean = scaled_bases(codes)
-                for s, code in enumerate(codes):
-                    want = torch.cat([code.run_levels(run, 5, 50, torch.float32) for run in code.runs], dim=-1)
-                    torch.testing.assert_close(coef[s, :, :, :code.rank], want, rtol=0, atol=0)
-                    assert not coef[s, :, :, code.rank:].any()
-                    keys = mean[s] + coef[s] @ scaled[s]
-                    torch.testing.assert_close(keys, code.decode()[:, 5:], atol=1e-5, rtol=1e-5)
+            coef = torch.full((len(codes), 2, 45, rank + fused._SPARE + rank % 2), float("nan"))
+            for s, code in enumerate(codes):
+                for b in range(2):
+                    out = coef[s, b].numpy()
+                    fused._decode_levels(code.codes[b].numpy(), plan.runs[s], plan.run_counts[s], lut,
+                                         lut.view(np.int64), 5, out, out.view(np.int64))
+            coef = coef[..., :rank]  # the spare columns are never read
+            scaled, mean = scaled_bases(codes)
+            for s, code in enumerate(codes):
+                want = torch.cat([code.run_levels(run, 5, 50, torch.float32) for run in code.runs], dim=-1)
+                torch.testing.assert_close(coef[s, :, :, :code.rank], want, rtol=0, atol=0)
+                assert not coef[s, :, :, code.rank:].any()
+                keys = mean[s] + coef[s] @ scaled[s]
+                torch.testing.assert_close(keys, code.decode()[:, 5:], atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_option_is_validated_and_without_numba_the_torch_ops_decode(monkeypatch):

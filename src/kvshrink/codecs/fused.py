@@ -3,13 +3,13 @@
 `code_attention` answers one block of Shard's compressed middle without materialising the block's keys
 or values, a slice of tokens at a time:
 
-1. per token: its PCA coefficients decoded from its packed key codes (one lookup per byte of a
-   byte-aligned run, from a table of the levels each byte value packs);
-2. the slice's pre-RoPE keys as one batched product of those coefficients with the scaled bases
+1. per token: its PCA coefficients decoded from its packed key codes (one lookup per byte of a 2-, 4- or
+   8-bit run, from a table of the levels each byte value packs; four 6-bit codes per three bytes);
+2. the slice's pre-RoPE keys as one batched product of the scaled bases with those coefficients
    (torch's BLAS: the multiply-adds run at the machine's vector width, which hand-written loops
-   over lookup tables did not reach, ``docs/results.md``), kept only for the slice;
-3. per token: RoPE (channels as two halves, real then imaginary parts: contiguous vector operations)
-   and the scores against the grouped queries;
+   over lookup tables did not reach, ``docs/results.md``), channel-major, kept only for the slice;
+3. per tile of tokens: RoPE and the scores of four query rows at a time, one RoPE pair after another,
+   each a loop over the tile's tokens (contiguous: it vectorises across tokens);
 4. per KV head: the softmax of all the block's scores (held rows masked; torch's vectorised exp), and
    its probabilities summed per value codeword and channel group (the value VQ codes), which
    `bin_values` turns into the attention output (one small product by the codebook, scales, rotation).
@@ -17,43 +17,38 @@ or values, a slice of tokens at a time:
 `turbo_attention` does the same for TurboQuant-coded tokens (Shard's decode stream) in one pass.
 
 numba is optional: `available()` says whether it imported; callers keep their torch reference path
-and use it when it did not. The kernels run on one thread (`_kernel_threads`: next to torch's OpenMP
-pool a second numba thread measured slower) and are compiled once per machine (``cache=True``;
-`warm_up` compiles them before anything is timed).
+and use it when it did not. The kernels are serial: they run on the calling thread next to torch's
+OpenMP pool (a second numba thread measured slower next to it, and a parallel kernel costs ~150 us a
+call to start even on one thread, ``docs/results.md``, "Session 17"). They are compiled once per machine
+(``cache=True``; `warm_up` compiles them before anything is timed).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import threading
 
 import numpy as np
 import torch
 
 try:  # the fast path is optional: a missing or broken numba leaves the reference path
     import numba
-    from numba import njit, prange
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        # numba's OpenMP layer next to torch's OpenMP pool measured 2-4x slower (the pools spin against
-        # each other); the work-queue layer's threads sleep between kernels.
-        numba.config.THREADING_LAYER = "workqueue"
+    from numba import njit
     _IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "turbo_attention", "turbo_supported",
+__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "set_bit_positions", "turbo_attention", "turbo_supported",
            "nearest_codewords", "warm_up"]
 
-# Tokens per parallel work item of the per-token passes (enough to amortise scheduling, small enough to share).
-_CHUNK = 256
-# Tokens whose coefficients and keys are held at once (a few MB; 512..8192 measured within 10% at 8K).
-_SLICE = 4096
-# Spare coefficient columns past the rank: a byte's four levels are copied whole (see `_decode_rows`).
+# Tokens whose coefficients and keys are held at once (their keys stay in the core's cache: ~0.8 MB for
+# three 64-channel scopes; 512..2048 measured within 5% at 8K).
+_SLICE = 1024
+# Tokens whose scores, keys and RoPE are worked on at once (a few KB each, in L1).
+_TOKEN_TILE = 256
+# Spare coefficient columns past the rank (an even row length: rows split into 8-byte words).
 _SPARE = 4
-# An empty int64 view: coefficients written four floats at a time (a byte op at an odd column).
-_NO_PAIRS = np.zeros((0, 0, 0), np.int64)
+_NO_ROWS = np.zeros(0, np.int64)
 # No fastmath "nnan"/"ninf": masked scores are -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -89,97 +84,114 @@ def byte_levels(kind: str, widths: tuple[int, ...]) -> np.ndarray:
 
 if numba is not None:
     @njit(cache=True, fastmath=_FASTMATH)
-    def _decode_rows(codes, ops, runs, n_runs, lut, lut64, first, last, out, out64):  # pragma: no cover
-        # coefficients (unit levels) of tokens first..last-1 of one scope into out[0 .. last-first, :r + 4]
-        # (out64: the same rows as int64 pairs of columns when every byte op starts at an even column, else
-        # empty); ops [k, 3]: per code byte of a byte-aligned run, (byte, table row of its width, column)
-        top, straddle = 0, False
+    def _decode_levels(codes, runs, n_runs, lut, lut64, first, out, out64):  # pragma: no cover - compiled
+        # tokens first .. first+m-1 of one scope's codes [n, bytes] -> out [m, r + spare]: each component's unit
+        # level, exactly the components' columns written (out64: out as 8-byte words, two levels at once where a
+        # 4- or 2-bit run starts at an even column); zeros past the runs
+        m, rank = out.shape[0], out.shape[1] - _SPARE
+        top = 0
         for k in range(n_runs):
             top = max(top, runs[k, 1] + runs[k, 2])
-            straddle |= 8 % runs[k, 0] != 0
-        rank = out.shape[1] - _SPARE
-        pairs = out64.shape[0] > 0
-        for t in range(first, last):
-            o = out[t - first]
-            row = codes[t]
-            # a byte of a byte-aligned run: its four table levels copied whatever the byte holds (the
-            # row is zero past its codes), as two 8-byte words where the columns allow (2x faster than
-            # four floats, which were 2x faster than copying exactly its codes); what spills over is
-            # written again by the bytes and runs after it, or lands past the rank (the spare columns,
-            # or zeroed below)
-            if pairs:
-                o64 = out64[t - first]
-                for i in range(ops.shape[0]):
-                    entry = np.uint64(ops[i, 1] + row[ops[i, 0]])
-                    at = np.uint64(ops[i, 2] >> 1)
-                    o64[at] = lut64[entry, 0]
-                    o64[at + np.uint64(1)] = lut64[entry, 1]
-            else:
-                for i in range(ops.shape[0]):
-                    level = lut[np.uint64(ops[i, 1] + row[ops[i, 0]])]
-                    at = np.uint64(ops[i, 2])
-                    o[at] = level[0]
-                    o[at + np.uint64(1)] = level[1]
-                    o[at + np.uint64(2)] = level[2]
-                    o[at + np.uint64(3)] = level[3]
-            for k in range(n_runs if straddle else 0):  # runs whose codes straddle bytes (3, 5, 6, 7 bits)
-                bits, a, m, at = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 3]
-                if 8 % bits == 0:
-                    continue
-                mask, base = (1 << bits) - 1, (bits - 1) * 256
-                for i in range(m):
-                    bit = i * bits
+        for i in range(m):
+            o, o64 = out[i], out64[i]
+            row = codes[first + i]
+            for k in range(n_runs):
+                bits, a, n_codes, at = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 3]
+                base = (bits - 1) * 256
+                whole = 0                               # codes decoded by the run's fast loop
+                if bits == 8:
+                    for c in range(n_codes):
+                        o[a + c] = lut[base + row[at + c], 0]
+                    whole = n_codes
+                elif (bits == 4 or bits == 2) and a % 2 == 0:
+                    per = 8 // bits                     # a byte's codes: one or two 8-byte words of levels
+                    words = per // 2
+                    whole = n_codes // per * per
+                    for c in range(n_codes // per):
+                        entry = base + row[at + c]
+                        for w in range(words):
+                            o64[a // 2 + c * words + w] = lut64[entry, w]
+                elif bits == 6:                         # four codes in every three bytes, no branch
+                    whole = n_codes // 4 * 4
+                    for c in range(n_codes // 4):
+                        p = at + 3 * c
+                        x = np.int32(row[p]) | (np.int32(row[p + 1]) << 8) | (np.int32(row[p + 2]) << 16)
+                        o[a + 4 * c] = lut[base + (x & 63), 0]
+                        o[a + 4 * c + 1] = lut[base + ((x >> 6) & 63), 0]
+                        o[a + 4 * c + 2] = lut[base + ((x >> 12) & 63), 0]
+                        o[a + 4 * c + 3] = lut[base + ((x >> 18) & 63), 0]
+                mask = (1 << bits) - 1
+                for c in range(whole, n_codes):        # the rest one code at a time (it may straddle bytes)
+                    bit = c * bits
                     byte, shift = at + (bit >> 3), bit & 7
                     v = np.int32(row[byte])
                     if shift + bits > 8:
                         v |= np.int32(row[byte + 1]) << 8
-                    o[a + i] = lut[base + ((v >> shift) & mask), 0]
+                    o[a + c] = lut[(bits - 1) * 256 + ((v >> shift) & mask), 0]
             for j in range(top, rank):
                 o[j] = 0.0
 
-    @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-    def _coefficients(codes, ops, runs, n_runs, lut, lut64, first, coef, coef64):  # pragma: no cover - compiled
-        # one scope's codes [B, n, bytes] -> coef [B, m, r + 4]: the unit levels of tokens first .. first+m-1
-        # (coef64: coef as int64 pairs of columns, or empty: see `_decode_rows`)
-        batch, m = codes.shape[0], coef.shape[1]
-        chunks = (m + _CHUNK - 1) // _CHUNK
-        for job in prange(batch * chunks):
-            b = job // chunks
-            lo = first + (job % chunks) * _CHUNK
-            hi = min(first + m, lo + _CHUNK)
-            rows64 = coef64[b, lo - first:] if coef64.shape[0] else np.empty((0, 0), np.int64)
-            _decode_rows(codes[b], ops, runs, n_runs, lut, lut64, lo, hi, coef[b, lo - first:], rows64)
+    @njit(cache=True, fastmath=_FASTMATH, inline="always")
+    def _pair_scores(re_row, im_row, re_mean, im_mean, c, s, q, p, half, acc, w):  # pragma: no cover - compiled
+        # one RoPE pair's share of four query rows' scores over w tokens: re/im rows and c/s their channel and
+        # RoPE, contiguous over tokens (the loop vectorises across tokens)
+        qa0, qb0, qa1, qb1 = q[0, p], q[0, half + p], q[1, p], q[1, half + p]
+        qa2, qb2, qa3, qb3 = q[2, p], q[2, half + p], q[3, p], q[3, half + p]
+        o0, o1, o2, o3 = acc[0], acc[1], acc[2], acc[3]
+        for i in range(w):
+            re = re_row[i] + re_mean
+            im = im_row[i] + im_mean
+            u = re * c[i] - im * s[i]
+            v = re * s[i] + im * c[i]
+            o0[i] += qa0 * u + qb0 * v
+            o1[i] += qa1 * u + qb1 * v
+            o2[i] += qa2 * u + qb2 * v
+            o3[i] += qa3 * u + qb3 * v
 
-    @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-    def _rope_scores(keys, mean, cos, sin, query, scaling, heads_per_scope, first, scores):  # pragma: no cover
-        # keys [S, B, m, W] pre-RoPE less their mean ``mean [S, W]`` (each head's channels as halves: real
-        # parts, then imaginary parts) of tokens first .. first+m-1 -> scores [B, H, R, n]
-        n_scopes, batch, m = keys.shape[0], keys.shape[1], keys.shape[2]
-        rows, head_dim = query.shape[2], query.shape[3]
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _block_scores(keys_t, mean, cos_t, sin_t, rows, q4, heads_per_scope, first, m, scores):  # pragma: no cover
+        # keys_t [S, W, B*m]: pre-RoPE keys less their mean ``mean [S, W]``, channel-major (row b's tokens in
+        # columns b*m ..; each head's channels as halves); cos_t, sin_t [B, d/2, N]: RoPE of the span's positions,
+        # token i at position rows[i] (or i when rows is empty); q4 [B, H, G, 4, d]: scaled queries in groups of
+        # four rows (zero rows past R) -> scores [B, H, R, n] of tokens first .. first+m-1
+        n_scopes = keys_t.shape[0]
+        batch, heads, groups, _, head_dim = q4.shape
+        n_rows = scores.shape[2]
         half = head_dim // 2
-        chunks = (m + _CHUNK - 1) // _CHUNK
-        for job in prange(batch * n_scopes * chunks):
-            b = job // (n_scopes * chunks)
-            s = (job // chunks) % n_scopes
-            lo = (job % chunks) * _CHUNK
-            rotated = np.empty(head_dim, np.float32)
-            for i in range(lo, min(m, lo + _CHUNK)):
-                t = first + i
-                c, si = cos[b, t], sin[b, t]
-                for j in range(heads_per_scope):
-                    h = s * heads_per_scope + j
-                    key = keys[s, b, i, j * head_dim:(j + 1) * head_dim]
-                    centre = mean[s, j * head_dim:(j + 1) * head_dim]
-                    for p in range(half):
-                        re, im = key[p] + centre[p], key[half + p] + centre[half + p]
-                        rotated[p] = re * c[p] - im * si[p]
-                        rotated[half + p] = re * si[p] + im * c[p]
-                    for r in range(rows):
-                        q = query[b, h, r]
-                        dot = np.float32(0.0)
-                        for e in range(head_dim):
-                            dot += q[e] * rotated[e]
-                        scores[b, h, r, t] = dot * scaling
+        acc = np.empty((4, _TOKEN_TILE), np.float32)
+        c_tile = np.empty((half, _TOKEN_TILE), np.float32)
+        s_tile = np.empty((half, _TOKEN_TILE), np.float32)
+        gather = rows.shape[0] > 0
+        for b in range(batch):
+            for lo in range(0, m, _TOKEN_TILE):
+                w = min(m - lo, _TOKEN_TILE)
+                t0, col = first + lo, b * m + lo
+                for p in range(half):   # the tile's RoPE, shared by every scope and head
+                    for i in range(w):
+                        at = rows[t0 + i] if gather else t0 + i
+                        c_tile[p, i] = cos_t[b, p, at]
+                        s_tile[p, i] = sin_t[b, p, at]
+                for s in range(n_scopes):
+                    for j in range(heads_per_scope):
+                        h = s * heads_per_scope + j
+                        for g in range(groups):
+                            acc[:, :w] = 0.0
+                            for p in range(half):
+                                re, im = j * head_dim + p, j * head_dim + half + p
+                                _pair_scores(keys_t[s, re, col:], keys_t[s, im, col:], mean[s, re], mean[s, im],
+                                             c_tile[p], s_tile[p], q4[b, h, g], p, half, acc, w)
+                            for k in range(min(4, n_rows - 4 * g)):
+                                scores[b, h, 4 * g + k, t0:t0 + w] = acc[k, :w]
+
+    @njit(cache=True)
+    def _set_bits(packed, n, out):  # pragma: no cover - compiled
+        # the indices of the set bits among the first n of packed [ceil(n / 8)] (bit i: byte i // 8, bit i % 8)
+        k = 0
+        for i in range(n):
+            if (packed[i >> 3] >> (i & 7)) & 1:
+                out[k] = i
+                k += 1
+        return k
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _hide(scores, hidden):  # pragma: no cover - compiled
@@ -222,11 +234,11 @@ if numba is not None:
                 flat[k + np.uint64(2)] += c
                 flat[k + np.uint64(3)] += d
 
-    @njit(parallel=True, cache=True, fastmath=_FASTMATH)
+    @njit(cache=True, fastmath=_FASTMATH)
     def _value_bins(probs, v_codes, v_bits, n_groups, bins):  # pragma: no cover - compiled
         # probs [B, H, R, n] -> bins [B, H, groups * 2**v_bits, 4 * ceil(R / 4)] (rows last: one cache line)
         batch, heads, rows = probs.shape[0], probs.shape[1], probs.shape[2]
-        for job in prange(batch * heads):
+        for job in range(batch * heads):
             b, h = job // heads, job % heads
             for r0 in range(0, rows, 4):
                 _bin_rows(probs[b, h], r0, v_codes[b, h], v_bits, n_groups, bins[b, h])
@@ -380,14 +392,14 @@ if numba is not None:
         order += order < 0
         return (np.int64(order) << 8) | j
 
-    @njit(parallel=True, cache=True, fastmath=_FASTMATH - {"reassoc"})
+    @njit(cache=True, fastmath=_FASTMATH - {"reassoc"})
     def _nearest_codewords(x, codebook_t, c_sq, out):  # pragma: no cover - compiled
         # x [N, g], codebook_t [g, k <= 256]: out[i] = argmin_j ||c_j||^2 - 2 x_i.c_j (the first of equal
         # ones; a row holding NaN has the same NaN at every codeword and gets the first, as before)
         n, g = x.shape
         k = codebook_t.shape[1]
         chunks = (n + 1023) // 1024
-        for job in prange(chunks):
+        for job in range(chunks):
             dist = np.empty(k, np.float32)
             bits = dist.view(np.int32)
             for i in range(job * 1024, min(n, job * 1024 + 1024)):
@@ -454,13 +466,13 @@ if numba is not None:
             offsets[cell + 1] = used
         return offsets, out[:used].copy()
 
-    @njit(parallel=True, cache=True, fastmath=_FASTMATH - {"reassoc"})
+    @njit(cache=True, fastmath=_FASTMATH - {"reassoc"})
     def _nearest_in_cells(x, codebook_t, c_sq, lo, step, per_dim, offsets, candidates, out):  # pragma: no cover
         # `_nearest_codewords` for groups of 4 with the grid of `_codeword_cells`: the same distances, summed in
         # the same order, over the cell's candidates only; rows outside the grid (or holding NaN) try every one
         n, k = x.shape[0], codebook_t.shape[1]
         chunks = (n + 1023) // 1024
-        for job in prange(chunks):
+        for job in range(chunks):
             dist = np.empty(1, np.float32)
             bits = dist.view(np.int32)
             for i in range(job * 1024, min(n, job * 1024 + 1024)):
@@ -501,17 +513,6 @@ if numba is not None:
                 if z[i] != z[i]:
                     out[i] = bounds.shape[0]
 
-_thread_lock = threading.Lock()
-
-
-def _kernel_threads() -> int:
-    """numba's threads for a kernel: one. With torch's two OpenMP threads on a 2-core machine, numba's
-    second thread made Shard's decode 1.5x slower (`kvshrink eval cost`, 2K: 410 against 271 ms/token
-    with one; docs/results.md, "Session 9"): torch's pool keeps its cores between the batched products
-    and the kernels around them."""
-    return 1
-
-
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
@@ -521,10 +522,10 @@ def _half_split(head_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
 
 
-def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
-                   v_codes: torch.Tensor, v_bits: int, n_groups: int,
-                   halves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor,
+                   sin_t: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
+                   v_codes: torch.Tensor, v_bits: int, n_groups: int, halves: bool = False,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped ``query [B, H_kv, R, d]`` (float32, channels in RoPE pair order, or with
     ``halves=True`` as two halves, the model's order) over one block of ``n`` coded tokens, on CPU tensors.
 
@@ -532,13 +533,14 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     the packed key codes of the ``S`` PCA scopes, laid out as ``plan``
     (a `codecs.table_decoder.SlotPlan`) says; a token's pre-RoPE key is ``mean[s] + levels @ scaled[s]``
     (``scaled [S, r, W]`` the scaled bases, ``mean [S, W]``, float32, columns in pair order,
-    ``W = H_kv * d / S``; with ``halves=True`` in the query's order too); ``cos, sin [B, n, d/2]``: the tokens' RoPE; ``hidden [B, H_kv, m]`` int32:
-    rows not attended (or None); ``v_codes [B, H_kv, n, bytes]``: ``n_groups`` value codes of ``v_bits``
-    bits per token.
+    ``W = H_kv * d / S``; with ``halves=True`` in the query's order too); ``cos_t, sin_t [B, d/2, N]``: the
+    RoPE of each pair at the positions of the block's span, token ``i`` at position ``rows[i]`` (int, ``[n]``;
+    None: position ``i``); ``hidden [B, H_kv, m]`` int32: rows not attended (or None); ``v_codes [B, H_kv, n,
+    bytes]``: ``n_groups`` value codes of ``v_bits`` bits per token.
 
     Returns ``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])``: the softmax probabilities
     summed per value group and codeword, and the log-sum-exp of the scores."""
-    batch, heads, rows, d = query.shape
+    batch, heads, n_rows, d = query.shape
     scopes = [_numpy(c) for c in (codes.unbind(1) if isinstance(codes, torch.Tensor) else codes)]
     n_scopes, n = len(scopes), scopes[0].shape[1]
     heads_per_scope = heads // n_scopes
@@ -546,36 +548,42 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
         split = _half_split(d)
         columns = torch.cat([j * d + split for j in range(heads_per_scope)])
         scaled, mean, query = scaled[..., columns], mean[:, columns], query[..., split]
-    basis, centre = scaled.contiguous(), _numpy(mean)
-    rank, width = basis.shape[1], basis.shape[2]
-    scores = np.empty((batch, heads, rows, n), np.float32)
-    bins = np.zeros((batch, heads, n_groups << v_bits, -(-rows // 4) * 4), np.float32)
+    rank = scaled.shape[1]
+    basis_t = scaled.float().transpose(1, 2)         # [S, W, r]: BLAS reads it transposed in place
+    groups = -(-n_rows // 4)
+    q4 = torch.zeros(batch, heads, groups * 4, d)
+    q4[:, :, :n_rows] = query * scaling
+    q4 = q4.view(batch, heads, groups, 4, d).numpy()
+    positions = _NO_ROWS if rows is None else _numpy(rows.long())
+    c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
+    scores = np.empty((batch, heads, n_rows, n), np.float32)
+    bins = np.zeros((batch, heads, n_groups << v_bits, groups * 4), np.float32)
     lut = byte_levels(plan.level_kind, plan.widths)
-    lut64 = lut.view(np.int64)                       # a byte's four levels as two 8-byte words
-    columns = rank + _SPARE + rank % 2               # even: rows split into 8-byte words
-    pairs = plan.even_byte_columns
-    q, c, s = _numpy(query), _numpy(cos), _numpy(sin)
-    with _thread_lock:  # numba's thread count is process-wide
-        numba.set_num_threads(_kernel_threads())
-        for first in range(0, n, _SLICE):
-            m = min(_SLICE, n - first)
-            coef = torch.empty(n_scopes, batch, m, columns)
-            for scope, (code, coef_s) in enumerate(zip(scopes, coef.numpy())):
-                coef64 = coef_s.view(np.int64) if pairs else _NO_PAIRS
-                _coefficients(code, plan.scope_byte_ops(scope), plan.runs[scope], plan.run_counts[scope], lut,
-                              lut64, first, coef_s, coef64)
-            levels = coef[..., :rank].view(n_scopes, batch * m, rank)
-            keys = torch.bmm(levels, basis)   # the mean is added in the score pass (a broadcast bias costs a copy)
-            _rope_scores(keys.view(n_scopes, batch, m, width).numpy(), centre, c, s, q, np.float32(scaling),
-                         heads_per_scope, first, scores)
-        if hidden is not None and hidden.shape[-1]:
-            _hide(scores, _numpy(hidden.to(torch.int32)))
-        # torch's softmax: its exp is vectorised (numba's is not without SVML: about 4x slower here)
-        logits = torch.from_numpy(scores)
-        lse = torch.logsumexp(logits, dim=-1)
-        logits.sub_(lse.clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1)).exp_()  # rows of -inf: zeros
-        _value_bins(scores, _numpy(v_codes), v_bits, n_groups, bins)
-    return torch.from_numpy(bins)[..., :rows].transpose(2, 3), lse
+    lut64 = lut.view(np.int64)                       # a byte's levels as 8-byte words
+    for first in range(0, n, _SLICE):
+        m = min(_SLICE, n - first)
+        levels = torch.empty(n_scopes, batch, m, rank + _SPARE + rank % 2)
+        for s, (code, out) in enumerate(zip(scopes, levels.numpy())):
+            for b in range(batch):
+                _decode_levels(code[b], plan.runs[s], plan.run_counts[s], lut, lut64, first, out[b],
+                               out[b].view(np.int64))
+        keys_t = torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2))
+        _block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)
+    if hidden is not None and hidden.shape[-1]:
+        _hide(scores, _numpy(hidden.to(torch.int32)))
+    # torch's softmax: its exp is vectorised (numba's is not without SVML: about 4x slower here)
+    logits = torch.from_numpy(scores)
+    lse = torch.logsumexp(logits, dim=-1)
+    logits.sub_(lse.clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1)).exp_()  # rows of -inf: zeros
+    _value_bins(scores, _numpy(v_codes), v_bits, n_groups, bins)
+    return torch.from_numpy(bins)[..., :n_rows].transpose(2, 3), lse
+
+
+def set_bit_positions(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 indices of the set bits among the first ``n`` of ``packed`` (uint8, CPU; `codecs.bitpack` order),
+    in one pass: what ``unpack_bits(packed, 1, n).nonzero()`` gives, in microseconds, not a few torch ops."""
+    out = np.empty(n, np.int64)
+    return torch.from_numpy(out[:_set_bits(_numpy(packed), n, out)])
 
 
 def bin_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -632,13 +640,11 @@ def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     c = codebook.float()
     out = np.empty(x.shape[0], np.int32)
     cells = _CELLS.get(_codebook_key(c))
-    with _thread_lock:
-        numba.set_num_threads(_kernel_threads())
-        if cells is None:
-            _nearest_codewords(_numpy(x.float()), _numpy(c.T), _numpy(c.pow(2).sum(1)), out)
-        else:
-            _nearest_in_cells(_numpy(x.float()), _numpy(c.T), _numpy(c.pow(2).sum(1)), np.float32(_CELL_LOW),
-                              np.float32(_CELL_STEP), _CELLS_PER_DIM, *cells, out)
+    if cells is None:
+        _nearest_codewords(_numpy(x.float()), _numpy(c.T), _numpy(c.pow(2).sum(1)), out)
+    else:
+        _nearest_in_cells(_numpy(x.float()), _numpy(c.T), _numpy(c.pow(2).sum(1)), np.float32(_CELL_LOW),
+                          np.float32(_CELL_STEP), _CELLS_PER_DIM, *cells, out)
     return torch.from_numpy(out)
 
 
@@ -689,8 +695,8 @@ def warm_up() -> None:
     code = PCACode(mean=torch.zeros(2), basis_q=torch.zeros(2, 4, dtype=torch.int8), basis_scale=torch.ones(4),
                    coeff_step=torch.ones(4), codes=torch.zeros(1, 2, 1, dtype=torch.uint8), runs=[(2, 0, 4, 0, 1)])
     code_attention(code.codes.unsqueeze(1), slot_plan([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
-                   torch.ones(1, 2, 1), torch.zeros(1, 2, 1), torch.zeros(1, 1, 1, 2), 1.0, None,
-                   torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1)
+                   torch.ones(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, 1, 2), 1.0, None,
+                   torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1, rows=torch.arange(2))
     bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))
     from .lloyd_max import TurboQuantizer
 

@@ -3,7 +3,6 @@ and the run layout the fused kernel decodes slot by slot (`SlotPlan`)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -214,23 +213,9 @@ class SlotPlan:
     run_counts: object = None  # int32 numpy [S]
     level_kind: str = "uniform"  # the codes' levels (`scalar_levels.COEFF_LEVELS`)
     widths: tuple = ()  # the code widths the runs use, ascending
-    byte_ops: object = None  # int32 numpy [S, max_ops, 3]: per code byte of a byte-aligned run, its byte, the
-    # row of its width in `codecs.fused.byte_levels` and its first component (scope s's first byte_op_counts[s])
-    byte_op_counts: object = None  # int32 numpy [S]
-
-    @functools.cached_property
-    def even_byte_columns(self) -> bool:
-        """Whether every byte op starts at an even component (its levels copied as 8-byte words); found once,
-        not at every decode step."""
-        return not (self.byte_ops[..., 2] % 2).any()
-
-    def scope_byte_ops(self, scope: int):
-        """Scope ``scope``'s byte ops ``[k, 3]`` (a view)."""
-        return self.byte_ops[scope, :self.byte_op_counts[scope]]
 
     def nbytes(self) -> int:
-        arrays = [*self.slots, self.jobs, self.levels, self.runs, self.run_counts, self.byte_ops,
-                  self.byte_op_counts]
+        arrays = [*self.slots, self.jobs, self.levels, self.runs, self.run_counts]
         return sum(a.nbytes for a in arrays) + (0 if self.columns is None else self.columns.numel() * 8)
 
 
@@ -271,25 +256,7 @@ def slot_plan(codes: list[PCACode], columns: torch.Tensor | None = None, slot_bi
     return SlotPlan(tuple(np.ascontiguousarray(t) for t in table) + (counts,),
                     np.array(jobs, np.int32).reshape(-1, 7), np.array([v for x in levels for v in x], np.float32),
                     row, columns, runs, np.array([len(c.runs) for c in codes], np.int32), kinds.pop(),
-                    tuple(sorted({run[0] for code in codes for run in code.runs})), *_byte_ops(codes))
-
-
-def _byte_ops(codes: list[PCACode]):
-    """`SlotPlan.byte_ops` and `SlotPlan.byte_op_counts` of ``codes``."""
-    import numpy as np
-
-    per_scope = []
-    for code in codes:
-        ops = []
-        for bits, a, b, byte_a, byte_b in code.runs:
-            if 8 % bits == 0:
-                ops += [(byte_a + i, (bits - 1) * 256, a + i * (8 // bits)) for i in range(byte_b - byte_a)]
-        per_scope.append(ops)
-    table = np.zeros((len(codes), max(1, max(len(ops) for ops in per_scope)), 3), np.int32)
-    for s, ops in enumerate(per_scope):
-        if ops:
-            table[s, :len(ops)] = ops
-    return table, np.array([len(ops) for ops in per_scope], np.int32)
+                    tuple(sorted({run[0] for code in codes for run in code.runs})))
 
 
 def scaled_bases(codes: list[PCACode], columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

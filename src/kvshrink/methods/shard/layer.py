@@ -352,12 +352,13 @@ class ShardLayer(CacheLayer):
         qg = group_queries(query.float(), self.h_kv)   # the model's order: RoPE pairs as two halves
         plan = self.slot_plan(block)
         scaled, mean = scaled_bases(block.keys)
-        cos, sin = self.shared.pair_rope(ctx, block.start, block.covers, block.rows())
+        cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
+        rows = None if block.kept is None else fused.set_bit_positions(block.kept, block.span)
         hidden = None if block.salient is None else block.salient.index
         k_entries, group = block.v_codebook.shape
         bins, lse = fused.code_attention(
-            [code.codes for code in block.keys], plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden,
-            block.v_codes, int(math.log2(k_entries)), self.d // group, halves=True)
+            [code.codes for code in block.keys], plan, scaled, mean, cos_t, sin_t, qg, ctx.scaling, hidden,
+            block.v_codes, int(math.log2(k_entries)), self.d // group, halves=True, rows=rows)
         out = fused.bin_values(bins, block.v_codebook, block.v_scale, self.shared.rotation.matrix(bins.device))
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
 

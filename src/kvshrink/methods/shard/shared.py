@@ -75,6 +75,15 @@ class ShardShared:
         rows = rows.to(cos.device)
         return cos.index_select(1, rows), sin.index_select(1, rows)
 
+    def channel_rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, d/2, n]`` of each RoPE pair, channel-major (the CPU fast path's layout:
+        a pair's tokens contiguous), memoised: every layer's block covering the span reads the same tables."""
+        def make():
+            phases = self.phases(ctx, start, n)[:, 0].transpose(1, 2)
+            return phases.real.contiguous(), phases.imag.contiguous()
+
+        return self._memo(ctx, ("channel_rope", start, n), make)
+
     def _cos_sin(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.arange(start, start + n, device=ctx.offset.device)
         cos, sin = ctx.rope(ctx.positions(index))
