@@ -34,11 +34,11 @@ def timed(name, fn):
 
 layer_cls = shard_layer.ShardLayer
 for name in ("attend", "code_partials", "fused_middle_partial", "reference_middle_partials", "stream_partial",
-             "ring_commit"):
+             "ring_commit", "key_factors"):
     setattr(layer_cls, name, timed(name, getattr(layer_cls, name)))
 shard_ring.ExactRing.partial = timed("exact partial (sinks, window, salient)", shard_ring.ExactRing.partial)
 shard_ring.ExactRing.put = timed("ring.put", shard_ring.ExactRing.put)
-for name in ("salient_partials", "merge_partials", "scaled_bases"):
+for name in ("salient_partials", "merge_partials"):
     setattr(shard_layer, name, timed(name, getattr(shard_layer, name)))
 for name in ("code_attention", "bin_values", "turbo_attention"):
     setattr(fused, name, timed(f"fused.{name}", getattr(fused, name)))

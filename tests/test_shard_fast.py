@@ -84,6 +84,8 @@ def test_fused_path_with_batch_padding_stream_and_several_blocks():
     # the slot plans the fast path keeps per block are counted with the cache's bytes
     plans = sum(block.derived.slot_plan.nbytes() for row in rows for block in row.middle)
     assert cache.layers[0].breakdown()["middle_slot_plans"] == plans > 0
+    factors = sum(block.derived.key_factors.nbytes() for row in rows for block in row.middle)
+    assert cache.layers[0].breakdown()["middle_key_factors"] == factors > 0
 
 
 def test_fast_and_reference_caches_decode_the_same_tokens():

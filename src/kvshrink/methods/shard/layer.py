@@ -15,12 +15,12 @@ from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_var
 from kvshrink.codecs.bitpack import pack_bits, packed_size, unpack_bits
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
-from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, scaled_bases, slot_plan
+from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, slot_plan
 from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
 from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
-from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment, stack_scopes
+from kvshrink.methods.shard.segments import BasisFactors, MiddleBlock, TurboSegment, stack_scopes
 from kvshrink.methods.shard.shared import ShardShared
 
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
@@ -351,7 +351,8 @@ class ShardLayer(CacheLayer):
         block materialised; same result as the reference path within float32 rounding."""
         qg = group_queries(query.float(), self.h_kv)   # the model's order: RoPE pairs as two halves
         plan = self.slot_plan(block)
-        scaled, mean = scaled_bases(block.keys)
+        factors = self.key_factors(block)
+        scaled, mean = factors.scaled_bases_t(block.keys).transpose(1, 2), factors.mean
         cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
         rows = None if block.kept is None else fused.set_bit_positions(block.kept, block.span)
         hidden = None if block.salient is None else block.salient.index
@@ -407,6 +408,13 @@ class ShardLayer(CacheLayer):
         if block.derived.rows is None:
             block.derived.rows = block.rows()
         return block.derived.rows
+
+    def key_factors(self, block: MiddleBlock) -> BasisFactors:
+        """The block's `BasisFactors` (the fast path's per-scope factors), built on first use and kept on the
+        block (`MiddleBlock.derived`, counted in `breakdown`)."""
+        if block.derived.key_factors is None:
+            block.derived.key_factors = BasisFactors.of(block.keys)
+        return block.derived.key_factors
 
     def slot_plan(self, block: MiddleBlock) -> SlotPlan:
         """The block's `SlotPlan` (key codes' run layout as integers, a few hundred bytes), built on first
@@ -686,8 +694,9 @@ class ShardLayer(CacheLayer):
                 out[f"middle_{kind}"] += held_bytes(tensors)
         out["stream"] = held_bytes(self.stream.tensors())
         # what the decode paths derive per block (built on first use): the fast kernel's slot plans
-        # (integers), the GPU path's kept rows, bit layout and kernel inputs
+        # (integers) and basis factors, the GPU path's kept rows, bit layout and kernel inputs
         out["middle_slot_plans"] = sum(block.derived.slot_plan_nbytes() for block in self.blocks())
+        out["middle_key_factors"] = sum(block.derived.key_factors_nbytes() for block in self.blocks())
         out["middle_device_plans"] = sum(block.derived.device_nbytes() for block in self.blocks())
         return out
 

@@ -20,6 +20,7 @@ class BlockDerived:
     never saved (a copied or loaded block starts with an empty one), counted in the layer's `breakdown`."""
 
     slot_plan: Any = None     # `codecs.table_decoder.SlotPlan`: the fused CPU kernel's run layout
+    key_factors: Any = None   # the fused CPU kernel's small per-scope float32 factors (see `BasisFactors`)
     table_bound: float | None = None  # the reference decoder's table bound (a float of the codes alone)
     rows: torch.Tensor | None = None  # `MiddleBlock.rows` on the block's device (found with a sync, once)
     gpu: Any = None           # `kernels.shard_code_attention.BlockInputs` (the GPU path's kernel inputs)
@@ -27,10 +28,52 @@ class BlockDerived:
     def slot_plan_nbytes(self) -> int:
         return 0 if self.slot_plan is None else self.slot_plan.nbytes()
 
+    def key_factors_nbytes(self) -> int:
+        return 0 if self.key_factors is None else self.key_factors.nbytes()
+
     def device_nbytes(self) -> int:
         """Bytes of the GPU path's parts (the kept rows and the kernels' inputs)."""
         rows = 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
         return rows + (0 if self.gpu is None else self.gpu.nbytes())
+
+
+@dataclass
+class BasisFactors:
+    """A block's PCA scopes' small factors in float32, stacked once (a few hundred bytes a scope): each basis
+    column's step times its scale ``[S, 1, r]`` (zero past a scope's rank), the per-channel scale ``[S, W, 1]``
+    (or None) and the mean ``[S, W]`` (times that scale). A step's scaled bases are then one conversion and
+    one or two products of the int8 bases, not a dozen small ops (`scaled_bases_t`)."""
+
+    factor: torch.Tensor
+    column: torch.Tensor | None
+    mean: torch.Tensor
+
+    @classmethod
+    def of(cls, codes: list[PCACode]) -> "BasisFactors":
+        rank = max(1, max(code.rank for code in codes))
+
+        def stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+            return torch.stack([torch.nn.functional.pad(x.float(), (0, length - x.shape[-1])) for x in rows])
+
+        factor = stack([code.basis_scale.float() * code.coeff_step.float() for code in codes], rank).unsqueeze(1)
+        mean = torch.stack([code.mean.float() for code in codes])
+        column = None
+        if codes[0].column_scale is not None:
+            column = torch.stack([code.column_scale.float() for code in codes])
+            mean = mean * column
+            column = column.unsqueeze(-1)
+        return cls(factor, column, mean)
+
+    def scaled_bases_t(self, codes: list[PCACode]) -> torch.Tensor:
+        """float32 ``[S, W, r]``: each scope's int8 basis times its factors (zero columns past its rank)."""
+        rank = self.factor.shape[-1]
+        bases = torch.stack([torch.nn.functional.pad(code.basis_q, (0, rank - code.rank)) for code in codes])
+        scaled = bases.float().mul_(self.factor)
+        return scaled if self.column is None else scaled.mul_(self.column)
+
+    def nbytes(self) -> int:
+        parts = [self.factor, self.mean] + ([] if self.column is None else [self.column])
+        return sum(t.numel() * t.element_size() for t in parts)
 
 
 @dataclass
