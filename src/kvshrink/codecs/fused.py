@@ -26,6 +26,8 @@ call to start even on one thread, ``docs/results.md``, "Session 17"). They are c
 from __future__ import annotations
 
 import functools
+import math
+import threading
 
 import numpy as np
 import torch
@@ -513,6 +515,22 @@ if numba is not None:
                 if z[i] != z[i]:
                     out[i] = bounds.shape[0]
 
+_WORKSPACE = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 scratch tensor of ``shape``, the calling thread's, reused from call to call (grown when too
+    small): a slice's coefficients and keys are written in memory already mapped and warm, not in a fresh
+    allocation each slice."""
+    buffers = getattr(_WORKSPACE, "buffers", None)
+    if buffers is None:
+        buffers = _WORKSPACE.buffers = {}
+    numel = math.prod(shape)
+    if name not in buffers or buffers[name].numel() < numel:
+        buffers[name] = torch.empty(numel)
+    return buffers[name][:numel].view(shape)
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
@@ -556,18 +574,19 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     q4 = q4.view(batch, heads, groups, 4, d).numpy()
     positions = _NO_ROWS if rows is None else _numpy(rows.long())
     c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
-    scores = np.empty((batch, heads, n_rows, n), np.float32)
+    scores = _scratch("scores", (batch, heads, n_rows, n)).numpy()
     bins = np.zeros((batch, heads, n_groups << v_bits, groups * 4), np.float32)
     lut = byte_levels(plan.level_kind, plan.widths)
     lut64 = lut.view(np.int64)                       # a byte's levels as 8-byte words
     for first in range(0, n, _SLICE):
         m = min(_SLICE, n - first)
-        levels = torch.empty(n_scopes, batch, m, rank + _SPARE + rank % 2)
+        levels = _scratch("levels", (n_scopes, batch, m, rank + _SPARE + rank % 2))
         for s, (code, out) in enumerate(zip(scopes, levels.numpy())):
             for b in range(batch):
                 _decode_levels(code[b], plan.runs[s], plan.run_counts[s], lut, lut64, first, out[b],
                                out[b].view(np.int64))
-        keys_t = torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2))
+        keys_t = _scratch("keys", (n_scopes, basis_t.shape[1], batch * m))
+        torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2), out=keys_t)
         _block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)
     if hidden is not None and hidden.shape[-1]:
         _hide(scores, _numpy(hidden.to(torch.int32)))
