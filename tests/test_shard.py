@@ -425,6 +425,48 @@ def test_eviction_drops_only_tokens_holding_at_most_the_given_attention_share():
     assert (~tokens_to_keep(flat, 0.05)).sum() == 5
 
 
+def test_a_count_keeps_the_tokens_the_most_attended_by_their_most_reading_head():
+    from kvshrink.methods.shard.salient import tokens_to_keep
+
+    importance = torch.full((1, 2, 10), 0.01)
+    importance[0, 0, [1, 4]] = torch.tensor([0.5, 0.3])                 # head 0 reads 1, then 4
+    importance[0, 1, 7] = 0.9                                           # head 1 reads 7
+    assert tokens_to_keep(importance, count=3).nonzero().flatten().tolist() == [1, 4, 7]
+    assert tokens_to_keep(importance, count=1).nonzero().flatten().tolist() == [7]   # the largest share
+    assert tokens_to_keep(importance, count=12).all() and not tokens_to_keep(importance, count=0).any()
+
+
+@pytest.mark.parametrize("target", [6.0, 8.0])
+def test_a_ratio_target_is_what_the_cache_holds_after_the_first_decode_step(target):
+    """``ratio`` evicts each layer's least-read middle tokens until the bytes meet it: after the prompt's first
+    decode step (the evicted tokens dropped) the cache is ``target`` times smaller than an fp16 cache, less
+    only the decode stream's first slots; a continued prompt keeps every token; an unreachable target says so."""
+    model = tiny_llama(head_dim=32)
+    ids = torch.randint(0, 128, (1, 1200), generator=torch.Generator().manual_seed(0))
+    every = kvshrink.make_cache("shard", model, evict=0, min_block=16)
+    prefill(model, every, ids)
+    cache = kvshrink.make_cache("shard", model, ratio=target, min_block=16)
+    prefill(model, cache, ids)
+    doc = cache.fork()
+    with torch.no_grad():
+        model(torch.tensor([[5]]), past_key_values=cache)
+    assert target * 0.97 <= cache.compression_ratio() <= target * 1.01
+    assert every.compression_ratio() < target * 0.7                     # the target took eviction
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]), past_key_values=doc)            # a question after the document
+    assert doc.stats()["middle_tokens"] == every.stats()["middle_tokens"]
+    far = kvshrink.make_cache("shard", model, ratio=50, min_block=16)
+    with pytest.warns(UserWarning, match="ratio=50 is out of reach"):
+        prefill(model, far, ids)
+
+
+def test_a_ratio_of_one_or_less_is_refused():
+    model = tiny_llama()
+    for bad in (0.5, 1.0, -2.0):
+        with pytest.raises(ValueError, match="ratio"):
+            kvshrink.make_cache("shard", model, ratio=bad)
+
+
 @pytest.mark.parametrize("scope", ["head", "layer"])
 def test_evicted_blocks_attend_exactly_over_the_tokens_they_keep(scope):
     model = tiny_llama()

@@ -8,7 +8,7 @@ from kvshrink.cache.attention import merge_partials
 from kvshrink.cache.rowwise import row_context
 from kvshrink.codecs import fused
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
-from kvshrink.codecs.table_decoder import slot_plan
+from kvshrink.codecs.table_decoder import run_layout
 
 from test_shard import prefill, tiny_llama
 
@@ -81,9 +81,9 @@ def test_fused_path_with_batch_padding_stream_and_several_blocks():
     for i in range(2):
         assert_fast_equals_reference(cache, 1, layers=[layer.rows[i] for layer in cache.layers],
                                      ctx=row_context(cache._ctx, i))
-    # the slot plans the fast path keeps per block are counted with the cache's bytes
-    plans = sum(block.derived.slot_plan.nbytes() for row in rows for block in row.middle)
-    assert cache.layers[0].breakdown()["middle_slot_plans"] == plans > 0
+    # the run layouts the fast path keeps per block are counted with the cache's bytes
+    layouts = sum(block.derived.runs.nbytes() for row in rows for block in row.middle)
+    assert cache.layers[0].breakdown()["middle_run_layouts"] == layouts > 0
     factors = sum(block.derived.key_factors.nbytes() for row in rows for block in row.middle)
     assert cache.layers[0].breakdown()["middle_key_factors"] == factors > 0
 
@@ -120,7 +120,7 @@ def test_the_coefficient_decoder_reads_every_run_layout():
     for levels in ("lloyd", "uniform"):
         for bits_sets in layouts.values():
             codes = [encode_pca(x, fit, b, levels=levels) for b in bits_sets]
-            plan = slot_plan(codes)
+            plan = run_layout(codes)
             rank = max(c.rank for c in codes)
             lut = fused.byte_levels(levels, (2, 4, 6, 8))
             coef = torch.full((len(codes), 2, 45, rank + fused._SPARE + rank % 2), float("nan"))

@@ -194,7 +194,7 @@ def torch_code_attention(codes, plan, scaled, mean, cos, sin, query, scaling, hi
     return bins, lse
 
 
-def kernel_inputs(batch=2, q_len=3, **opts):
+def kernel_inputs(batch=2, q_len=3, with_layout=False, **opts):
     """The arguments of ``code_attention`` for the first block of a cache, with ``batch`` rows (the
     block's codes repeated with rows of other codes' values mixed in) and several query rows."""
     model = model_with(**opts.pop("shape", {}))
@@ -219,8 +219,9 @@ def kernel_inputs(batch=2, q_len=3, **opts):
     if block.salient is not None:
         hidden = block.salient.index.expand(batch, -1, -1).contiguous()
     k_entries, group = block.v_codebook.shape
-    return [codes, plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden, v_codes, int(math.log2(k_entries)),
+    args = [codes, plan, scaled, mean, cos, sin, qg, ctx.scaling, hidden, v_codes, int(math.log2(k_entries)),
             d // group]
+    return (args, layer.run_layout(block)) if with_layout else args
 
 
 KERNEL_CASES = [dict(key_bits=2.0), dict(key_bits=5.0, pca_group=3, salient=0.05),
@@ -272,14 +273,14 @@ def test_the_stream_buffer_grows_and_compacts():
 
 @pytest.mark.parametrize("opts", KERNEL_CASES, ids=["2bit", "6bit-runs-held", "layer-scope-5bit-values"])
 def test_kernel_equals_torch_oracle_and_numba(opts):
-    args = kernel_inputs(**opts)
+    args, layout = kernel_inputs(with_layout=True, **opts)
     bins, lse = sca.code_attention(*args)
     want_bins, want_lse = torch_code_attention(*args)
     torch.testing.assert_close(bins, want_bins, atol=2e-6, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     assert bins.sum(-1).div(args[-1]).sub(1).abs().max() < 1e-5   # each group's probabilities sum to one
-    if fused.available():   # the CPU kernel reads RoPE channel-major
-        cpu_args = args[:4] + [args[4].transpose(1, 2), args[5].transpose(1, 2)] + args[6:]
+    if fused.available():   # the CPU kernel reads the runs' layout and RoPE channel-major
+        cpu_args = [args[0], layout] + args[2:4] + [args[4].transpose(1, 2), args[5].transpose(1, 2)] + args[6:]
         numba_bins, numba_lse = fused.code_attention(*cpu_args)
         torch.testing.assert_close(bins, numba_bins, atol=2e-6, rtol=1e-4)
         torch.testing.assert_close(lse, numba_lse, atol=1e-5, rtol=1e-5)

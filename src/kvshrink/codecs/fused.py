@@ -540,7 +540,7 @@ def _half_split(head_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
 
 
-def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor,
+def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor,
                    sin_t: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
                    v_codes: torch.Tensor, v_bits: int, n_groups: int, halves: bool = False,
                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -548,8 +548,8 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     ``halves=True`` as two halves, the model's order) over one block of ``n`` coded tokens, on CPU tensors.
 
     ``codes [B, S, n, bytes]`` uint8 (or the ``S`` scopes' ``[B, n, bytes]`` apart, as the block holds them):
-    the packed key codes of the ``S`` PCA scopes, laid out as ``plan``
-    (a `codecs.table_decoder.SlotPlan`) says; a token's pre-RoPE key is ``mean[s] + levels @ scaled[s]``
+    the packed key codes of the ``S`` PCA scopes, laid out as ``layout``
+    (a `codecs.table_decoder.RunLayout`) says; a token's pre-RoPE key is ``mean[s] + levels @ scaled[s]``
     (``scaled [S, r, W]`` the scaled bases, ``mean [S, W]``, float32, columns in pair order,
     ``W = H_kv * d / S``; with ``halves=True`` in the query's order too); ``cos_t, sin_t [B, d/2, N]``: the
     RoPE of each pair at the positions of the block's span, token ``i`` at position ``rows[i]`` (int, ``[n]``;
@@ -576,14 +576,14 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
     c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
     scores = _scratch("scores", (batch, heads, n_rows, n)).numpy()
     bins = np.zeros((batch, heads, n_groups << v_bits, groups * 4), np.float32)
-    lut = byte_levels(plan.level_kind, plan.widths)
+    lut = byte_levels(layout.level_kind, layout.widths)
     lut64 = lut.view(np.int64)                       # a byte's levels as 8-byte words
     for first in range(0, n, _SLICE):
         m = min(_SLICE, n - first)
         levels = _scratch("levels", (n_scopes, batch, m, rank + _SPARE + rank % 2))
         for s, (code, out) in enumerate(zip(scopes, levels.numpy())):
             for b in range(batch):
-                _decode_levels(code[b], plan.runs[s], plan.run_counts[s], lut, lut64, first, out[b],
+                _decode_levels(code[b], layout.runs[s], layout.run_counts[s], lut, lut64, first, out[b],
                                out[b].view(np.int64))
         keys_t = _scratch("keys", (n_scopes, basis_t.shape[1], batch * m))
         torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2), out=keys_t)
@@ -709,11 +709,11 @@ def warm_up() -> None:
     if numba is None:
         return
     from .pca import PCACode
-    from .table_decoder import slot_plan
+    from .table_decoder import run_layout
 
     code = PCACode(mean=torch.zeros(2), basis_q=torch.zeros(2, 4, dtype=torch.int8), basis_scale=torch.ones(4),
                    coeff_step=torch.ones(4), codes=torch.zeros(1, 2, 1, dtype=torch.uint8), runs=[(2, 0, 4, 0, 1)])
-    code_attention(code.codes.unsqueeze(1), slot_plan([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
+    code_attention(code.codes.unsqueeze(1), run_layout([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
                    torch.ones(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, 1, 2), 1.0, None,
                    torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1, rows=torch.arange(2))
     bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))

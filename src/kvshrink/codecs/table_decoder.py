@@ -209,14 +209,39 @@ class SlotPlan:
     levels: object  # float32 numpy: the unit levels of every width used, concatenated
     rows: int  # table rows in all
     columns: torch.Tensor | None  # column order of the decoded rows
-    runs: object = None  # int32 numpy [S, max_runs, 4]: each scope's runs (bits, component, components, byte)
-    run_counts: object = None  # int32 numpy [S]
-    level_kind: str = "uniform"  # the codes' levels (`scalar_levels.COEFF_LEVELS`)
-    widths: tuple = ()  # the code widths the runs use, ascending
 
     def nbytes(self) -> int:
-        arrays = [*self.slots, self.jobs, self.levels, self.runs, self.run_counts]
+        arrays = [*self.slots, self.jobs, self.levels]
         return sum(a.nbytes for a in arrays) + (0 if self.columns is None else self.columns.numel() * 8)
+
+
+@dataclass
+class RunLayout:
+    """The runs of equal code width of several `PCACode` (one per scope, same rows) as integers: what the
+    fused CPU kernel reads to decode a row's coefficients (`codecs.fused.code_attention`)."""
+
+    runs: object  # int32 numpy [S, max_runs, 4]: each scope's runs (bits, component, components, byte)
+    run_counts: object  # int32 numpy [S]
+    level_kind: str  # the codes' levels (`scalar_levels.COEFF_LEVELS`)
+    widths: tuple  # the code widths the runs use, ascending
+
+    def nbytes(self) -> int:
+        return self.runs.nbytes + self.run_counts.nbytes
+
+
+def run_layout(codes: list[PCACode]) -> RunLayout:
+    """The `RunLayout` of ``codes``, which share their level kind."""
+    import numpy as np
+
+    kinds = {code.levels for code in codes}
+    if len(kinds) != 1:
+        raise ValueError(f"codes of one block share their levels, got {sorted(kinds)}")
+    runs = np.zeros((len(codes), max(1, max(len(c.runs) for c in codes)), 4), np.int32)
+    for i, code in enumerate(codes):
+        for k, (bits, a, b, byte_a, _) in enumerate(code.runs):
+            runs[i, k] = (bits, a, b - a, byte_a)
+    return RunLayout(runs, np.array([len(c.runs) for c in codes], np.int32), kinds.pop(),
+                     tuple(sorted({run[0] for code in codes for run in code.runs})))
 
 
 def slot_plan(codes: list[PCACode], columns: torch.Tensor | None = None, slot_bits: int = 8) -> SlotPlan:
@@ -246,17 +271,9 @@ def slot_plan(codes: list[PCACode], columns: torch.Tensor | None = None, slot_bi
         if code_slots:
             table[:, i, :len(code_slots)] = np.array(code_slots, np.int32).T
     counts = np.array([len(s) for s in slots], np.int32)
-    kinds = {code.levels for code in codes}
-    if len(kinds) != 1:
-        raise ValueError(f"codes of one block share their levels, got {sorted(kinds)}")
-    runs = np.zeros((len(codes), max(1, max(len(c.runs) for c in codes)), 4), np.int32)
-    for i, code in enumerate(codes):
-        for k, (bits, a, b, byte_a, _) in enumerate(code.runs):
-            runs[i, k] = (bits, a, b - a, byte_a)
     return SlotPlan(tuple(np.ascontiguousarray(t) for t in table) + (counts,),
                     np.array(jobs, np.int32).reshape(-1, 7), np.array([v for x in levels for v in x], np.float32),
-                    row, columns, runs, np.array([len(c.runs) for c in codes], np.int32), kinds.pop(),
-                    tuple(sorted({run[0] for code in codes for run in code.runs})))
+                    row, columns)
 
 
 def scaled_bases(codes: list[PCACode], columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,6 +68,13 @@ class ShardConfig:
                           "apart and dropped when a decode step follows the prompt directly (it ended with its "
                           "question), kept when the prompt is continued, forked or saved first (0 = keep every "
                           "token)", low=0, high=0.5)
+    ratio: float = option(0.0, "compression target (an fp16 cache's bytes over the bytes held) for a prompt that "
+                          "ends with its question: each layer's least-attended middle tokens (in `evict`'s "
+                          "order) are evicted until its bytes meet it, instead of `evict`'s attention share. "
+                          "Reached once the evicted tokens are dropped (the first decode step after the prompt; "
+                          "a prompt continued, forked or saved keeps them) and when the prompt is long enough "
+                          "that sinks, window and the kept middle's overheads fit (0 = off: `evict` decides)",
+                          low=0)
     salient_dtype: str = option("int8", "how salient tokens are held: 'exact' (in exact_dtype) or 'int8' (8-bit "
                                 "codes, one float16 step and zero point per token vector: about half the bytes)",
                                 choices=SALIENT_DTYPES)
@@ -88,6 +95,8 @@ class ShardConfig:
             self._bad(f"v_codebook must be a power of two in 2..256, got {self.v_codebook}")
         if self.v_sample < self.v_codebook:
             self._bad(f"v_sample must be >= v_codebook ({self.v_codebook}), got {self.v_sample}")
+        if 0 < self.ratio <= 1:
+            self._bad(f"ratio must be 0 (off) or above 1 (a target compression), got {self.ratio}")
         if self.salient_pool % 2 == 0:
             self._bad(f"salient_pool must be an odd number >= 1, got {self.salient_pool}")
 
@@ -101,6 +110,11 @@ class ShardConfig:
             self._bad(f"v_group must divide the head size {head_dim}, got {self.v_group}")
         if self.rank > head_dim * num_kv_heads:
             self._bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
+
+    @property
+    def evicts(self) -> bool:
+        """Whether the prompt's least-attended middle tokens may be evicted (by `evict` or `ratio`)."""
+        return self.evict > 0 or self.ratio > 0
 
     @property
     def v_bits_per_element(self) -> float:

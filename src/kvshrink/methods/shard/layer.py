@@ -4,6 +4,7 @@ window), its blockwise attention over the codes and the compression of tokens le
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -15,7 +16,7 @@ from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_var
 from kvshrink.codecs.bitpack import pack_bits, packed_size, unpack_bits
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
-from kvshrink.codecs.table_decoder import SlotPlan, TableDecoder, slot_plan
+from kvshrink.codecs.table_decoder import RunLayout, SlotPlan, TableDecoder, run_layout, slot_plan
 from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
@@ -142,7 +143,7 @@ class ShardLayer(CacheLayer):
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         if ctx.q_len > 1 and self.cfg.key_weights == "query":
             self._query_energy = self.query_pair_energy(query, ctx)
-        if ctx.q_len > 1 and (self.cfg.salient > 0 or self.cfg.evict > 0):
+        if ctx.q_len > 1 and (self.cfg.salient > 0 or self.cfg.evicts):
             self._observer = group_queries(query[:, :, -self.cfg.observe:].float(), self.h_kv)
         exact = self.exact_partial(query, ctx)
         parts = [exact] if exact is not None else []
@@ -350,7 +351,7 @@ class ShardLayer(CacheLayer):
         pass over its value codes (softmax probabilities summed per codeword), no whole key or value
         block materialised; same result as the reference path within float32 rounding."""
         qg = group_queries(query.float(), self.h_kv)   # the model's order: RoPE pairs as two halves
-        plan = self.slot_plan(block)
+        layout = self.run_layout(block)
         factors = self.key_factors(block)
         scaled, mean = factors.scaled_bases_t(block.keys).transpose(1, 2), factors.mean
         cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
@@ -358,7 +359,7 @@ class ShardLayer(CacheLayer):
         hidden = None if block.salient is None else block.salient.index
         k_entries, group = block.v_codebook.shape
         bins, lse = fused.code_attention(
-            [code.codes for code in block.keys], plan, scaled, mean, cos_t, sin_t, qg, ctx.scaling, hidden,
+            [code.codes for code in block.keys], layout, scaled, mean, cos_t, sin_t, qg, ctx.scaling, hidden,
             block.v_codes, int(math.log2(k_entries)), self.d // group, halves=True, rows=rows)
         out = fused.bin_values(bins, block.v_codebook, block.v_scale, self.shared.rotation.matrix(bins.device))
         return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
@@ -416,14 +417,19 @@ class ShardLayer(CacheLayer):
             block.derived.key_factors = BasisFactors.of(block.keys)
         return block.derived.key_factors
 
+    def run_layout(self, block: MiddleBlock) -> RunLayout:
+        """The block's `RunLayout` (its key codes' runs as integers, tens of bytes), built on first use and kept
+        on the block (`MiddleBlock.derived`): rebuilt after a block is copied or loaded."""
+        if block.derived.runs is None:
+            block.derived.runs = run_layout(block.keys)
+        return block.derived.runs
+
     def slot_plan(self, block: MiddleBlock) -> SlotPlan:
-        """The block's `SlotPlan` (key codes' run layout as integers, a few hundred bytes), built on first
-        use and kept on the block (`MiddleBlock.derived`): rebuilt after a block is copied or loaded."""
-        if block.derived.slot_plan is None:
-            pairs = pair_order(self.d, device=block.v_codes.device)
-            columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
-            block.derived.slot_plan = slot_plan(block.keys, columns=columns)
-        return block.derived.slot_plan
+        """The block's `SlotPlan` in the decoded columns' order (RoPE pairs per head), from which the GPU
+        path's component plan is built once (not kept: `block_inputs` keeps what the kernels read)."""
+        pairs = pair_order(self.d, device=block.v_codes.device)
+        columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
+        return slot_plan(block.keys, columns=columns)
 
     def reference_middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         qg = group_queries(query.float(), self.h_kv)  # [B, H_kv, R, d]
@@ -551,11 +557,14 @@ class ShardLayer(CacheLayer):
         whether the prompt ended with its question (see `settle_unread`)."""
         observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
         importance = None
-        if observer is not None and (self.cfg.salient > 0 or self.cfg.evict > 0):
+        if observer is not None and (self.cfg.salient > 0 or self.cfg.evicts):
             importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
         keep = None
-        if importance is not None and self.cfg.evict > 0:
-            keep = tokens_to_keep(importance, self.cfg.evict)
+        if importance is not None and self.cfg.evicts:
+            if self.cfg.ratio > 0:
+                keep = tokens_to_keep(importance, count=self.tokens_within_ratio(key.shape[2], key.shape[0]))
+            else:
+                keep = tokens_to_keep(importance, self.cfg.evict)
             dropped = int((~keep).sum())
             # fewer than min_block tokens are not worth a block of their own (bases, scales): all stay
             keep = keep if dropped >= self.cfg.min_block and keep.numel() - dropped >= 2 else None
@@ -563,6 +572,32 @@ class ShardLayer(CacheLayer):
         # (extra peak memory stays below one layer's prompt K+V; measured by a test).
         kept = self.encode_block(key, value, start, ctx, keep, importance)
         return kept, None if keep is None else self.encode_block(key, value, start, ctx, ~keep, None)
+
+    def tokens_within_ratio(self, span: int, batch: int) -> int:
+        """How many of a new block's ``span`` middle tokens the layer can store and still hold ``ratio`` times
+        fewer bytes than an fp16 cache of every token it covers (the evicted ones go once the prompt proves
+        to end with its question). The block's bytes are estimated from the options: its codes and salient
+        rows per token, and its bases, codebook, scales, kept-token map and the decode's float32 basis factors
+        once; the cache's token ids (int64, kept to refuse another prompt) are charged to the layers alike."""
+        dim = self.h_kv * self.d
+        covered = len(self._sinks) + len(self._window) + sum(b.covers for b in self.middle) + self.stream.n + span
+        target = batch * covered * dim * 4 / self.cfg.ratio                 # fp16 K and V: 4 bytes a channel
+        target -= batch * covered * 8 / self.info.num_layers                # this layer's share of the token ids
+        held = self.nbytes() - sum(held_bytes(t) for block in self.unread for t in block.parts().values())
+        width = dim if self.cfg.pca_scope == "layer" else self.d
+        rank, scopes = self.key_rank(width), dim // width
+        fixed = scopes * (width * (2 + rank) + 4 * rank + 4 * (rank + 2 * width)) + math.ceil(span / 8) \
+            + held_bytes([self.shared.v_codebook.half()]) + dim * 2
+        per_vector = 4 + (2 * (self.d + 4) if self.cfg.salient_dtype == "int8"
+                          else 2 * self.d * self._sinks.dtype.itemsize)
+        per_token = batch * (dim * (self.shared.layer_key_bits[self.layer_idx] + self.cfg.v_bits_per_element) / 8
+                             + self.cfg.salient * self.h_kv * per_vector)
+        fits = int((target - held - fixed) // per_token)
+        if fits < 2:
+            warnings.warn(f"shard: ratio={self.cfg.ratio:g} is out of reach for {covered} tokens (the exact sinks "
+                          f"and window and a block's overheads alone take more): layer {self.layer_idx} keeps 2 of "
+                          f"its {span} new middle tokens", stacklevel=2)
+        return max(2, fits)
 
     def encode_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext,
                      keep: torch.Tensor | None, importance: torch.Tensor | None) -> MiddleBlock:
@@ -693,9 +728,9 @@ class ShardLayer(CacheLayer):
             for kind, tensors in block.parts().items():
                 out[f"middle_{kind}"] += held_bytes(tensors)
         out["stream"] = held_bytes(self.stream.tensors())
-        # what the decode paths derive per block (built on first use): the fast kernel's slot plans
+        # what the decode paths derive per block (built on first use): the fast kernel's run layouts
         # (integers) and basis factors, the GPU path's kept rows, bit layout and kernel inputs
-        out["middle_slot_plans"] = sum(block.derived.slot_plan_nbytes() for block in self.blocks())
+        out["middle_run_layouts"] = sum(block.derived.runs_nbytes() for block in self.blocks())
         out["middle_key_factors"] = sum(block.derived.key_factors_nbytes() for block in self.blocks())
         out["middle_device_plans"] = sum(block.derived.device_nbytes() for block in self.blocks())
         return out

@@ -19,14 +19,14 @@ class BlockDerived:
     """What the decode paths derive from a block's fields and keep on it: each part built on first use,
     never saved (a copied or loaded block starts with an empty one), counted in the layer's `breakdown`."""
 
-    slot_plan: Any = None     # `codecs.table_decoder.SlotPlan`: the fused CPU kernel's run layout
+    runs: Any = None          # `codecs.table_decoder.RunLayout`: the fused CPU kernel's run layout
     key_factors: Any = None   # the fused CPU kernel's small per-scope float32 factors (see `BasisFactors`)
     table_bound: float | None = None  # the reference decoder's table bound (a float of the codes alone)
     rows: torch.Tensor | None = None  # `MiddleBlock.rows` on the block's device (found with a sync, once)
     gpu: Any = None           # `kernels.shard_code_attention.BlockInputs` (the GPU path's kernel inputs)
 
-    def slot_plan_nbytes(self) -> int:
-        return 0 if self.slot_plan is None else self.slot_plan.nbytes()
+    def runs_nbytes(self) -> int:
+        return 0 if self.runs is None else self.runs.nbytes()
 
     def key_factors_nbytes(self) -> int:
         return 0 if self.key_factors is None else self.key_factors.nbytes()
