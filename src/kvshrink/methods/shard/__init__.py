@@ -63,6 +63,14 @@ embedded model against 5.1x without eviction, with ``full``'s needles and RULER 
 compressed before its questions keeps every fact its later questions ask for (docs/results.md, "Session 16";
 what a document loses when they are dropped anyway: "Session 8").
 
+A compression target (``ratio``, issue 14's one budget option) replaces ``evict``'s attention share when
+set: each layer evicts its least-read middle tokens, in the same order, until its bytes (estimated from the
+options when the block is made: codes and salient rows per token, bases and maps per block) are ``ratio``
+times fewer than an fp16 cache of its tokens. Every layer gets the same target: the share of observed
+attention the evicted tokens held predicted the damage poorly (at 8K, ``ratio=10`` drops up to 20% of a
+head's observed attention in layer 0 and has a lower KL divergence from ``full`` than ``evict=0.02`` at
+9.1x; docs/results.md, "Session 18").
+
 Per-layer budgets (beyond the source): with ``key_alloc="global"`` the key bit budget is shared by
 all layers: layers whose pre-RoPE keys are more low-rank get fewer bits. The allocation is a DP over
 the component groups of all layers at once, on each layer's spectrum measured on calibration text run

@@ -75,7 +75,7 @@ class ShardLayer(CacheLayer):
         self._window = ExactStore(dtype)
         self._ring: ExactRing | None = None              # sinks + window while decoding (see `ring_attend`)
         self.middle: list[MiddleBlock] = []
-        # evict > 0: the last prompt's evicted tokens, coded. The prompt ended with its question when a decode
+        # evict or ratio > 0: the last prompt's evicted tokens, coded. The prompt ended with its question when a decode
         # step follows it directly; they are dropped then, and kept as middle blocks otherwise (see
         # `settle_unread`): a document compressed before its questions keeps every token.
         self.unread: list[MiddleBlock] = []
