@@ -142,6 +142,13 @@ class PCACode:
 
 
 
+def stack_fields(codes: list[PCACode], field: str, length: int) -> torch.Tensor:
+    """The per-component (or per-column) ``field`` of several scopes' codes stacked ``[S, length]``, zero past
+    each one's own size: scopes of a block can keep different numbers of components."""
+    rows = [getattr(code, field) for code in codes]
+    return torch.stack([torch.nn.functional.pad(x, (0, length - x.shape[-1])) for x in rows])
+
+
 def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels: str,
                 sample: int = 1024) -> torch.Tensor:
     """Per component, the multiple of ``base_step`` with the least squared error on a row sample."""

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshrink.codecs.pca import stack_fields
 from kvshrink.kernels import counting
 from kvshrink.kernels.backend import triton as _load_triton
 
@@ -365,17 +366,14 @@ def stored_basis(codes: list, basis_q: torch.Tensor) -> KeyBasis:
     ``basis_q [S, W, r]`` (`segments.stack_scopes`), columns in the model's order; their small per-row
     and per-column factors stacked once (zero past a scope's rank)."""
     rank = max(1, basis_q.shape[2])
-
-    def stack(field: str, length: int) -> torch.Tensor:
-        rows = [getattr(code, field) for code in codes]
-        return torch.stack([torch.nn.functional.pad(x, (0, length - x.shape[-1])) for x in rows])
-
     if basis_q.shape[2] == 0:
         basis_q = torch.zeros(basis_q.shape[0], basis_q.shape[1], 1, dtype=torch.int8, device=basis_q.device)
     scope, column, component = basis_q.stride()
-    column_scale = None if codes[0].column_scale is None else stack("column_scale", basis_q.shape[1])
-    return KeyBasis(basis_q, (scope, component, column), stack("basis_scale", rank), stack("coeff_step", rank),
-                    column_scale, stack("mean", basis_q.shape[1]), paired=False)
+    width = basis_q.shape[1]
+    column_scale = None if codes[0].column_scale is None else stack_fields(codes, "column_scale", width)
+    return KeyBasis(basis_q, (scope, component, column), stack_fields(codes, "basis_scale", rank),
+                    stack_fields(codes, "coeff_step", rank), column_scale, stack_fields(codes, "mean", width),
+                    paired=False)
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 
 from kvshrink.codecs.bitpack import unpack_bits
 from kvshrink.codecs.lloyd_max import TurboCode
-from kvshrink.codecs.pca import PCACode
+from kvshrink.codecs.pca import PCACode, stack_fields
 from kvshrink.methods.shard.salient import SalientTokens
 
 
@@ -51,11 +51,8 @@ class BasisFactors:
     @classmethod
     def of(cls, codes: list[PCACode]) -> "BasisFactors":
         rank = max(1, max(code.rank for code in codes))
-
-        def stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
-            return torch.stack([torch.nn.functional.pad(x.float(), (0, length - x.shape[-1])) for x in rows])
-
-        factor = stack([code.basis_scale.float() * code.coeff_step.float() for code in codes], rank).unsqueeze(1)
+        factor = stack_fields(codes, "basis_scale", rank).float() * stack_fields(codes, "coeff_step", rank).float()
+        factor = factor.unsqueeze(1)
         mean = torch.stack([code.mean.float() for code in codes])
         column = None
         if codes[0].column_scale is not None:
