@@ -586,8 +586,10 @@ class ShardLayer(CacheLayer):
         held = self.nbytes() - sum(held_bytes(t) for block in self.unread for t in block.parts().values())
         width = dim if self.cfg.pca_scope == "layer" else self.d
         rank, scopes = self.key_rank(width), dim // width
-        fixed = scopes * (width * (2 + rank) + 4 * rank + 4 * (rank + 2 * width)) + math.ceil(span / 8) \
-            + held_bytes([self.shared.v_codebook.half()]) + dim * 2
+        basis = width * rank + 2 * width + 2 * 2 * rank        # int8 basis, fp16 mean, fp16 scale and step
+        factors = 4 * (rank + 2 * width)                        # `BasisFactors`, float32
+        values = held_bytes([self.shared.v_codebook.half()]) + 2 * dim  # codebook, fp16 scales
+        fixed = scopes * (basis + factors) + values + math.ceil(span / 8)   # + the kept-token bitmask
         per_vector = 4 + (2 * (self.d + 4) if self.cfg.salient_dtype == "int8"
                           else 2 * self.d * self._sinks.dtype.itemsize)
         per_token = batch * (dim * (self.shared.layer_key_bits[self.layer_idx] + self.cfg.v_bits_per_element) / 8
