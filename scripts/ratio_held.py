@@ -17,7 +17,7 @@ evicted = []
 _keep = shard_layer.tokens_to_keep
 
 
-def recorded(importance, mass=None, count=None):
+def recorded(importance, mass, count=None):
     keep = _keep(importance, mass, count)
     share = importance / importance.sum(-1, keepdim=True).clamp_min(1e-30)
     evicted.append((int((~keep).sum()), keep.numel(), float(share[..., ~keep].sum(-1).amax())))

@@ -1,4 +1,6 @@
 import math
+import warnings
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -431,33 +433,68 @@ def test_a_count_keeps_the_tokens_the_most_attended_by_their_most_reading_head()
     importance = torch.full((1, 2, 10), 0.01)
     importance[0, 0, [1, 4]] = torch.tensor([0.5, 0.3])                 # head 0 reads 1, then 4
     importance[0, 1, 7] = 0.9                                           # head 1 reads 7
-    assert tokens_to_keep(importance, count=3).nonzero().flatten().tolist() == [1, 4, 7]
-    assert tokens_to_keep(importance, count=1).nonzero().flatten().tolist() == [7]   # the largest share
-    assert tokens_to_keep(importance, count=12).all() and not tokens_to_keep(importance, count=0).any()
+    assert tokens_to_keep(importance, 1.0, count=3).nonzero().flatten().tolist() == [1, 4, 7]
+    assert tokens_to_keep(importance, 1.0, count=1).nonzero().flatten().tolist() == [7]   # the largest share
+    assert tokens_to_keep(importance, 1.0, count=12).all() and not tokens_to_keep(importance, 1.0, count=0).any()
+
+
+def test_the_guard_stops_a_count_before_the_evicted_tokens_hold_more_than_its_share():
+    from kvshrink.methods.shard.salient import tokens_to_keep
+
+    importance = torch.full((1, 2, 10), 0.01)
+    importance[0, 0, [1, 4]] = torch.tensor([0.5, 0.3])
+    importance[0, 1, 7] = 0.9
+    # head 0's share of each unread token is 0.01 / 0.87: seven of them hold 8%, so 0.05 lets four go
+    guarded = tokens_to_keep(importance, 0.05, count=3)
+    assert (~guarded).sum() == 4 and guarded[[1, 4, 7]].all()
+    share = importance / importance.sum(-1, keepdim=True)
+    assert (share[..., ~guarded].sum(-1) <= 0.05).all()
+    assert tokens_to_keep(importance, 0.0, count=3).all()              # evict=0 keeps every token
+    assert (~tokens_to_keep(importance, 0.5, count=3)).sum() == 7       # a loose guard: the count decides
 
 
 @pytest.mark.parametrize("target", [6.0, 8.0])
 def test_a_ratio_target_is_what_the_cache_holds_after_the_first_decode_step(target):
     """``ratio`` evicts each layer's least-read middle tokens until the bytes meet it: after the prompt's first
     decode step (the evicted tokens dropped) the cache is ``target`` times smaller than an fp16 cache, less
-    only the decode stream's first slots; a continued prompt keeps every token; an unreachable target says so."""
+    only the decode stream's first slots; a continued prompt keeps every token; ``evict`` guards the count."""
     model = tiny_llama(head_dim=32)
     ids = torch.randint(0, 128, (1, 1200), generator=torch.Generator().manual_seed(0))
-    every = kvshrink.make_cache("shard", model, evict=0, min_block=16)
+    every = kvshrink.make_cache("shard", model, evict=0, ratio=target, min_block=16)   # evict=0: nothing goes
     prefill(model, every, ids)
-    cache = kvshrink.make_cache("shard", model, ratio=target, min_block=16)
+    cache = kvshrink.make_cache("shard", model, ratio=target, evict=1, min_block=16)   # no guard
     prefill(model, cache, ids)
     doc = cache.fork()
     with torch.no_grad():
         model(torch.tensor([[5]]), past_key_values=cache)
     assert target * 0.97 <= cache.compression_ratio() <= target * 1.01
     assert every.compression_ratio() < target * 0.7                     # the target took eviction
+    assert every.stats()["middle_tokens"] == len(every.layers) * (1200 - 4 - 64)   # summed over the layers
     with torch.no_grad():
         model(torch.tensor([[5, 6, 7]]), past_key_values=doc)            # a question after the document
     assert doc.stats()["middle_tokens"] == every.stats()["middle_tokens"]
-    far = kvshrink.make_cache("shard", model, ratio=50, min_block=16)
-    with pytest.warns(UserWarning, match="ratio=50 is out of reach"):
-        prefill(model, far, ids)
+    guarded = kvshrink.make_cache("shard", model, ratio=target, evict=0.02, min_block=16)
+    prefill(model, guarded, ids)
+    with torch.no_grad():
+        model(torch.tensor([[5]]), past_key_values=guarded)
+    kept = [guarded.stats()["middle_tokens"], cache.stats()["middle_tokens"], every.stats()["middle_tokens"]]
+    assert kept[1] < kept[0] < kept[2]                                   # a tight guard: fewer go
+
+
+def test_a_ratio_out_of_reach_evicts_as_far_as_the_guard_allows_without_a_warning():
+    """A short prompt cannot meet a 10x target (its exact sinks and window take more): the default is used on
+    every prompt, so this is no error; the guard alone decides, as with no target."""
+    model = tiny_llama(head_dim=32)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    caches = [kvshrink.make_cache("shard", model, ratio=r, evict=0.2, min_block=8) for r in (50.0, 0.0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for cache in caches:
+            prefill(model, cache, ids)
+            with torch.no_grad():
+                model(torch.tensor([[5]]), past_key_values=cache)
+    far, share_rule = (c.stats()["middle_tokens"] for c in caches)
+    assert far == share_rule < len(caches[0].layers) * (300 - 4 - 64)
 
 
 def test_a_ratio_of_one_or_less_is_refused():

@@ -62,19 +62,17 @@ class ShardConfig:
     salient: float = option(0.05, "fraction of each block's middle tokens held apart from its codes per KV "
                             "head (exact or 8-bit, see salient_dtype): those the prompt's last `observe` queries "
                             "attend to most (SnapKV-style)", low=0, high=0.5)
-    evict: float = option(0.02, "share of the prompt's observed attention the evicted middle tokens may hold: "
-                          "each block's least-attended tokens (by the last `observe` queries, pooled like "
-                          "`salient`) while they hold at most this share of every KV head's attention; coded "
-                          "apart and dropped when a decode step follows the prompt directly (it ended with its "
-                          "question), kept when the prompt is continued, forked or saved first (0 = keep every "
-                          "token)", low=0, high=0.5)
-    ratio: float = option(0.0, "compression target (an fp16 cache's bytes over the bytes held) for a prompt that "
-                          "ends with its question: each layer's least-attended middle tokens (in `evict`'s "
-                          "order) are evicted until its bytes meet it, instead of `evict`'s attention share. "
-                          "Reached once the evicted tokens are dropped (the first decode step after the prompt; "
-                          "a prompt continued, forked or saved keeps them) and when the prompt is long enough "
-                          "that sinks, window and the kept middle's overheads fit (0 = off: `evict` decides)",
-                          low=0)
+    ratio: float = option(10.0, "compression target (an fp16 cache's bytes over the bytes held) for a prompt that "
+                          "ends with its question: each layer evicts its least-attended middle tokens (by the "
+                          "last `observe` queries, pooled like `salient`) until its bytes meet it, but never more "
+                          "than `evict` allows. Reached once the evicted tokens are dropped (the first decode step "
+                          "after the prompt; a prompt continued, forked or saved keeps them), where the guard "
+                          "allows and the prompt is long enough that sinks, window and overheads fit (about 8K "
+                          "tokens on the embedded model; 0 = no target: `evict` alone decides)", low=0)
+    evict: float = option(0.1, "the guard of `ratio`: the largest share of any KV head's observed attention the "
+                          "evicted middle tokens of a block may hold together (with ratio=0, each block's least-"
+                          "attended tokens go up to this share; 0 = keep every token, whatever `ratio` says; 1 = "
+                          "no guard)", low=0, high=1)
     salient_dtype: str = option("int8", "how salient tokens are held: 'exact' (in exact_dtype) or 'int8' (8-bit "
                                 "codes, one float16 step and zero point per token vector: about half the bytes)",
                                 choices=SALIENT_DTYPES)
@@ -113,8 +111,8 @@ class ShardConfig:
 
     @property
     def evicts(self) -> bool:
-        """Whether the prompt's least-attended middle tokens may be evicted (by `evict` or `ratio`)."""
-        return self.evict > 0 or self.ratio > 0
+        """Whether the prompt's least-attended middle tokens may be evicted (`evict` > 0; `ratio` sets how many)."""
+        return self.evict > 0
 
     @property
     def v_bits_per_element(self) -> float:

@@ -4,7 +4,6 @@ window), its blockwise attention over the codes and the compression of tokens le
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -561,10 +560,8 @@ class ShardLayer(CacheLayer):
             importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
         keep = None
         if importance is not None and self.cfg.evicts:
-            if self.cfg.ratio > 0:
-                keep = tokens_to_keep(importance, count=self.tokens_within_ratio(key.shape[2], key.shape[0]))
-            else:
-                keep = tokens_to_keep(importance, self.cfg.evict)
+            count = self.tokens_within_ratio(key.shape[2], key.shape[0]) if self.cfg.ratio > 0 else None
+            keep = tokens_to_keep(importance, self.cfg.evict, count)
             dropped = int((~keep).sum())
             # fewer than min_block tokens are not worth a block of their own (bases, scales): all stay
             keep = keep if dropped >= self.cfg.min_block and keep.numel() - dropped >= 2 else None
@@ -594,12 +591,9 @@ class ShardLayer(CacheLayer):
                           else 2 * self.d * self._sinks.dtype.itemsize)
         per_token = batch * (dim * (self.shared.layer_key_bits[self.layer_idx] + self.cfg.v_bits_per_element) / 8
                              + self.cfg.salient * self.h_kv * per_vector)
-        fits = int((target - held - fixed) // per_token)
-        if fits < 2:
-            warnings.warn(f"shard: ratio={self.cfg.ratio:g} is out of reach for {covered} tokens (the exact sinks "
-                          f"and window and a block's overheads alone take more): layer {self.layer_idx} keeps 2 of "
-                          f"its {span} new middle tokens", stacklevel=2)
-        return max(2, fits)
+        # Out of reach (a short prompt: its exact sinks and window alone take more) is not an error: `evict`'s
+        # guard then decides how many go, as with no target.
+        return max(2, int((target - held - fixed) // per_token))
 
     def encode_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext,
                      keep: torch.Tensor | None, importance: torch.Tensor | None) -> MiddleBlock:

@@ -111,20 +111,19 @@ def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return SalientTokens(index.to(torch.int32), store(key.gather(2, rows)), store(value.gather(2, rows)))
 
 
-def tokens_to_keep(importance: torch.Tensor, mass: float | None = None, count: int | None = None) -> torch.Tensor:
+def tokens_to_keep(importance: torch.Tensor, mass: float, count: int | None = None) -> torch.Tensor:
     """``[n]`` bool: the tokens a block stores. The least important tokens go, in ascending order of the
-    most importance any KV head gives them (``importance [B, H_kv, n]``): while they hold at most ``mass``
+    most importance any KV head gives them (``importance [B, H_kv, n]``), while they hold at most ``mass``
     of every head's observed attention (how many go is decided by how peaked the prompt's attention is in
-    this layer, not by a fixed count), or, given ``count``, all but the ``count`` most important (a byte
-    budget's count, see ``ShardConfig.ratio``)."""
+    this layer, not by a fixed count); given ``count``, no more than all but the ``count`` most important
+    (a byte budget's count, see ``ShardConfig.ratio``: ``mass`` is then its guard)."""
     share = importance / importance.sum(dim=-1, keepdim=True).clamp_min(1e-30)
     share = share.reshape(-1, share.shape[-1])                                  # [B*H_kv, n]
     order = share.amax(dim=0).argsort()
-    if count is None:
-        worst = share[:, order].cumsum(dim=-1).amax(dim=0)                      # dropped share, worst head
-        dropped = int((worst <= mass).sum())
-    else:
-        dropped = share.shape[-1] - min(max(count, 0), share.shape[-1])
+    worst = share[:, order].cumsum(dim=-1).amax(dim=0)                          # dropped share, worst head
+    dropped = int((worst <= mass).sum()) if mass < 1 else share.shape[-1]      # 1: no guard (float sums)
+    if count is not None:
+        dropped = min(dropped, share.shape[-1] - min(max(count, 0), share.shape[-1]))
     keep = torch.ones(share.shape[-1], dtype=torch.bool, device=share.device)
     keep[order[:dropped]] = False
     return keep
