@@ -564,7 +564,7 @@ class ShardLayer(CacheLayer):
             keep = tokens_to_keep(importance, self.cfg.evict, count)
             dropped = int((~keep).sum())
             # fewer than min_block tokens are not worth a block of their own (bases, scales): all stay
-            keep = keep if dropped >= self.cfg.min_block and keep.numel() - dropped >= 2 else None
+            keep = keep if dropped >= self.cfg.min_block else None
         # One helper call per block, so each block's full-size temporaries are freed before the next starts
         # (extra peak memory stays below one layer's prompt K+V; measured by a test).
         kept = self.encode_block(key, value, start, ctx, keep, importance)

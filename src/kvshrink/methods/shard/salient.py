@@ -116,7 +116,7 @@ def tokens_to_keep(importance: torch.Tensor, mass: float, count: int | None = No
     most importance any KV head gives them (``importance [B, H_kv, n]``), while they hold at most ``mass``
     of every head's observed attention (how many go is decided by how peaked the prompt's attention is in
     this layer, not by a fixed count); given ``count``, no more than all but the ``count`` most important
-    (a byte budget's count, see ``ShardConfig.ratio``: ``mass`` is then its guard)."""
+    (a byte budget's count, see ``ShardConfig.ratio``: ``mass`` is then its guard); two at least."""
     share = importance / importance.sum(dim=-1, keepdim=True).clamp_min(1e-30)
     share = share.reshape(-1, share.shape[-1])                                  # [B*H_kv, n]
     order = share.amax(dim=0).argsort()
@@ -124,6 +124,7 @@ def tokens_to_keep(importance: torch.Tensor, mass: float, count: int | None = No
     dropped = int((worst <= mass).sum()) if mass < 1 else share.shape[-1]      # 1: no guard (float sums)
     if count is not None:
         dropped = min(dropped, share.shape[-1] - min(max(count, 0), share.shape[-1]))
+    dropped = min(dropped, max(0, share.shape[-1] - 2))     # a block keeps two tokens at least
     keep = torch.ones(share.shape[-1], dtype=torch.bool, device=share.device)
     keep[order[:dropped]] = False
     return keep
