@@ -484,37 +484,6 @@ def test_a_ratio_target_is_what_the_cache_holds_after_the_first_decode_step(targ
     assert kept[1] < kept[0] < kept[2]                                   # a tight guard: fewer go
 
 
-def test_a_layer_whose_guard_keeps_more_hands_the_excess_to_the_next_layers(monkeypatch):
-    """The target is the cache's: when a layer's guard keeps more tokens than its count (simulated here for
-    layer 0, which keeps every token), the layers after it in the same step evict more, and the cache holds
-    the target once its first decode step drops the evicted tokens."""
-    from kvshrink.methods.shard import layer as shard_layer
-
-    model = tiny_llama(head_dim=32, layers=3)
-    ids = torch.randint(0, 128, (1, 1200), generator=torch.Generator().manual_seed(0))
-    real = shard_layer.tokens_to_keep
-
-    def run(guard_layer0: bool) -> tuple[list[int], float]:
-        calls = []
-
-        def keep(importance, mass, count=None):
-            calls.append(count)
-            chosen = real(importance, mass, count)
-            return torch.ones_like(chosen) if guard_layer0 and len(calls) == 1 else chosen
-
-        monkeypatch.setattr(shard_layer, "tokens_to_keep", keep)
-        cache = kvshrink.make_cache("shard", model, ratio=6.0, evict=1, min_block=16)
-        prefill(model, cache, ids)
-        with torch.no_grad():
-            model(torch.tensor([[5]]), past_key_values=cache)
-        return calls, cache.compression_ratio()
-
-    alone, ratio_alone = run(False)
-    carried, ratio_carried = run(True)
-    assert carried[0] == alone[0] and carried[1] < alone[1] and carried[2] < alone[2]
-    assert ratio_carried > 0.97 * 6.0 and ratio_alone > 0.97 * 6.0
-
-
 def test_a_ratio_out_of_reach_evicts_as_far_as_the_guard_allows_without_a_warning():
     """A short prompt cannot meet a 10x target (its exact sinks and window take more): the default is used on
     every prompt, so this is no error; the guard alone decides, as with no target."""

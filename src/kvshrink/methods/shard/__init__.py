@@ -58,9 +58,8 @@ the largest share of the observation queries' attention any KV head gives them, 
 from the options when the block is made: codes and salient rows per token, bases and maps per block) are
 ``ratio`` times fewer than an fp16 cache of its tokens, but never past the point where the evicted tokens
 hold more than ``evict`` (0.1) of some head's observed attention: a layer whose attention is spread keeps
-more, and the layers after it in the same step evict more to make up for it (`ShardShared.ratio_debt`), so
-the target is the cache's, met where the prompt's attention allows it (10.0x at 8K on the embedded model,
-7.7x at 2K; docs/results.md, "Session 19"). The evicted tokens are coded as a block of their own and held until the
+more, so the target is met where the prompt allows it (9.8x at 8K on the embedded model, 7.5x at 2K;
+docs/results.md, "Session 19"). The evicted tokens are coded as a block of their own and held until the
 cache knows whether the prompt ended with its question: a decode step right after the prompt drops them
 (the question was in the prompt, and its last queries did not read them); a step of several tokens (a
 question asked after the document, another chunk), or a fork or save before it, keeps them for good, so a

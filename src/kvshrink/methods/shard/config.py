@@ -65,7 +65,7 @@ class ShardConfig:
     ratio: float = option(10.0, "compression target (an fp16 cache's bytes over the bytes held) for a prompt that "
                           "ends with its question: each layer evicts its least-attended middle tokens (by the "
                           "last `observe` queries, pooled like `salient`) until its bytes meet it, but never more "
-                          "than `evict` allows (what a layer keeps over its share, the next layers evict). Reached once the evicted tokens are dropped (the first decode step "
+                          "than `evict` allows. Reached once the evicted tokens are dropped (the first decode step "
                           "after the prompt; a prompt continued, forked or saved keeps them), where the guard "
                           "allows and the prompt is long enough that sinks, window and overheads fit (about 8K "
                           "tokens on the embedded model; 0 = no target: `evict` alone decides)", low=0)

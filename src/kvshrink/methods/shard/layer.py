@@ -560,31 +560,22 @@ class ShardLayer(CacheLayer):
             importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
         keep = None
         if importance is not None and self.cfg.evicts:
-            count = None
-            if self.cfg.ratio > 0:
-                # the layer's own count, less what the step's earlier layers hold over theirs (`ratio_debt`)
-                own, per_token = self.tokens_within_ratio(key.shape[2], key.shape[0])
-                count = max(2, int(own - self.shared.ratio_debt(ctx) // per_token))
+            count = self.tokens_within_ratio(key.shape[2], key.shape[0]) if self.cfg.ratio > 0 else None
             keep = tokens_to_keep(importance, self.cfg.evict, count)
             dropped = int((~keep).sum())
             # fewer than min_block tokens are not worth a block of their own (bases, scales): all stay
             keep = keep if dropped >= self.cfg.min_block else None
-            if count is not None:
-                stored = key.shape[2] - (0 if keep is None else dropped)
-                self.shared.add_ratio_debt(ctx, (stored - own) * per_token)
         # One helper call per block, so each block's full-size temporaries are freed before the next starts
         # (extra peak memory stays below one layer's prompt K+V; measured by a test).
         kept = self.encode_block(key, value, start, ctx, keep, importance)
         return kept, None if keep is None else self.encode_block(key, value, start, ctx, ~keep, None)
 
-    def tokens_within_ratio(self, span: int, batch: int) -> tuple[int, float]:
+    def tokens_within_ratio(self, span: int, batch: int) -> int:
         """How many of a new block's ``span`` middle tokens the layer can store and still hold ``ratio`` times
         fewer bytes than an fp16 cache of every token it covers (the evicted ones go once the prompt proves
-        to end with its question), and the bytes a stored token costs. The count may be below zero or above
-        ``span`` (a target out of reach, or met with room to spare). The block's bytes are estimated from the
-        options: its codes and salient rows per token, and its bases, codebook, scales, kept-token map and the
-        decode's float32 basis factors once; the cache's token ids (int64, kept to refuse another prompt) are
-        charged to the layers alike."""
+        to end with its question). The block's bytes are estimated from the options: its codes and salient
+        rows per token, and its bases, codebook, scales, kept-token map and the decode's float32 basis factors
+        once; the cache's token ids (int64, kept to refuse another prompt) are charged to the layers alike."""
         dim = self.h_kv * self.d
         covered = len(self._sinks) + len(self._window) + sum(b.covers for b in self.middle) + self.stream.n + span
         target = batch * covered * dim * 4 / self.cfg.ratio                 # fp16 K and V: 4 bytes a channel
@@ -602,7 +593,7 @@ class ShardLayer(CacheLayer):
                              + self.cfg.salient * self.h_kv * per_vector)
         # Out of reach (a short prompt: its exact sinks and window alone take more) is not an error: `evict`'s
         # guard then decides how many go, as with no target.
-        return int((target - held - fixed) // per_token), per_token
+        return max(2, int((target - held - fixed) // per_token))
 
     def encode_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext,
                      keep: torch.Tensor | None, importance: torch.Tensor | None) -> MiddleBlock:

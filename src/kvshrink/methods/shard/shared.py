@@ -40,8 +40,6 @@ class ShardShared:
                 fused.index_codebook(self.v_codebook.to(torch.float16))
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
-        self._debt_ctx: StepContext | None = None
-        self._debt = 0.0
 
     def rope(self, ctx: StepContext, start: int, n: int,
              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,20 +96,8 @@ class ShardShared:
             self._rope_memo[key] = make()
         return self._rope_memo[key]
 
-    def ratio_debt(self, ctx: StepContext) -> float:
-        """Bytes this step's earlier layers hold beyond their `ratio` targets (a guard kept more tokens than
-        the target's count; negative when a layer held less): the next layers' targets are lowered by it, so
-        the cache meets the target where the later layers' attention allows, not each layer alone."""
-        if self._debt_ctx is not ctx:
-            self._debt_ctx, self._debt = ctx, 0.0
-        return self._debt
-
-    def add_ratio_debt(self, ctx: StepContext, nbytes: float) -> None:
-        self._debt = self.ratio_debt(ctx) + nbytes
-
     def end_of_step(self) -> None:
         self._rope_ctx, self._rope_memo = None, {}
 
     def __getstate__(self) -> dict:
-        # one step's memo and debt are not state
-        return {**self.__dict__, "_rope_ctx": None, "_rope_memo": {}, "_debt_ctx": None, "_debt": 0.0}
+        return {**self.__dict__, "_rope_ctx": None, "_rope_memo": {}}  # one step's memo is not state
