@@ -65,7 +65,7 @@ cache knows whether the prompt ended with its question: a decode step right afte
 question asked after the document, another chunk), or a fork or save before it, keeps them for good, so a
 document compressed before its questions keeps every fact its later questions ask for (what a document
 loses when they are dropped anyway: docs/results.md, "Session 8"). ``ratio=0`` leaves ``evict``'s share
-alone to decide (the default of sessions 15-18, at 0.02); ``evict=0`` keeps every token.
+alone to decide (the default of sessions 16-18, at 0.02); ``evict=0`` keeps every token.
 
 Per-layer budgets (beyond the source): with ``key_alloc="global"`` the key bit budget is shared by
 all layers: layers whose pre-RoPE keys are more low-rank get fewer bits. The allocation is a DP over
