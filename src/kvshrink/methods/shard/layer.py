@@ -591,9 +591,9 @@ class ShardLayer(CacheLayer):
                           else 2 * self.d * self._sinks.dtype.itemsize)
         per_token = batch * (dim * (self.shared.layer_key_bits[self.layer_idx] + self.cfg.v_bits_per_element) / 8
                              + self.cfg.salient * self.h_kv * per_vector)
-        # Out of reach (a short prompt: its exact sinks and window alone take more) is not an error: `evict`'s
-        # guard then decides how many go, as with no target.
-        return max(2, int((target - held - fixed) // per_token))
+        # Out of reach (a short prompt: its exact sinks and window alone take more; below two, `tokens_to_keep`
+        # keeps two) is not an error: `evict`'s guard then decides how many go, as with no target.
+        return int((target - held - fixed) // per_token)
 
     def encode_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext,
                      keep: torch.Tensor | None, importance: torch.Tensor | None) -> MiddleBlock:
