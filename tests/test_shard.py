@@ -8,6 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvshrink
 from kvshrink.cache.attention import exact_partial, merge_partials
 from kvshrink.cache.rowwise import row_context
+from kvshrink.cache.store import held_bytes
+from kvshrink.methods.shard import ShardLayer
 
 
 def tiny_llama(head_dim=16, layers=2, seed=0):
@@ -517,11 +519,11 @@ def test_evicted_blocks_attend_exactly_over_the_tokens_they_keep(scope):
     prefill(model, kept, ids)
     prefill(model, every, ids)
     block, = kept.layers[0].middle
-    unread, = kept.layers[0].unread
+    evicted, = kept.layers[0].evicted
     assert block.span == 280 and 0 < block.n < 280 and block.token_index("cpu").shape == (block.n,)
-    # until the prompt's first decode step the evicted tokens are held too, as a block of their own
-    assert unread.span == 280 and unread.n == 280 - block.n and unread.salient is None
-    tokens = torch.cat([block.token_index("cpu"), unread.token_index("cpu")])
+    # until the prompt's first decode step the evicted tokens are held too, uncoded
+    assert evicted.span == 280 and evicted.rows.numel() == 280 - block.n and not kept.layers[0].unread
+    tokens = torch.cat([block.token_index("cpu"), evicted.rows + evicted.start])
     assert torch.equal(tokens.sort().values, torch.arange(4, 284))
     check_equivalence(kept, 1)
     with torch.no_grad():
@@ -544,9 +546,14 @@ def test_evicted_tokens_stay_when_the_prompt_is_continued_forked_or_saved(tmp_pa
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     doc = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.1, min_block=8)
     prefill(model, doc, ids)
-    held = [(len(layer.middle), len(layer.unread)) for layer in doc.layers]
-    assert all(m == 1 and u == 1 for m, u in held)
+    # held uncoded after the prompt (counted), coded as a block of their own by the save
+    assert all(len(layer.middle) == 1 and len(layer.evicted) == 1 and not layer.unread for layer in doc.layers)
+    uncoded, before = doc.breakdown()["evicted"], doc.nbytes()
+    assert uncoded == sum(held_bytes(layer.evicted[0].tensors()) for layer in doc.layers) > 0
     doc.save(tmp_path / "doc.kvs")
+    held = [(len(layer.middle), len(layer.unread)) for layer in doc.layers]
+    assert all(m == 1 and u == 1 and not layer.evicted for (m, u), layer in zip(held, doc.layers))
+    assert doc.breakdown()["evicted"] == 0 and doc.nbytes() < before
     loaded = kvshrink.load_cache(tmp_path / "doc.kvs", model)
     for cache in (doc.fork(), loaded):
         question = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
@@ -564,7 +571,47 @@ def test_evicted_tokens_stay_when_the_prompt_is_continued_forked_or_saved(tmp_pa
     # fewer evicted tokens than min_block are not worth a block of their own: every token stays
     few = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.1, min_block=200)
     prefill(model, few, ids)
-    assert all(not layer.unread and layer.middle[0].kept is None for layer in few.layers)
+    assert all(not layer.unread and not layer.evicted and layer.middle[0].kept is None for layer in few.layers)
+    # a prompt continued straight away (no fork, no save) codes them and keeps them; so does a fork
+    for way in ("continued", "forked"):
+        cache = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.1, min_block=8)
+        prefill(model, cache, ids)
+        if way == "forked":
+            cache.fork()
+            assert all(len(layer.unread) == 1 and not layer.evicted for layer in cache.layers)
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1)), past_key_values=cache)
+        assert all(len(layer.middle) == 2 and not layer.unread and not layer.evicted for layer in cache.layers)
+        assert cache.stats()["middle_tokens"] == 280 * len(cache.layers)
+
+
+@pytest.mark.parametrize("scope", ["head", "layer"])
+def test_evicted_tokens_coded_later_get_the_codes_of_the_prompt_s_chunk(scope):
+    """Held uncoded until the next call, the evicted tokens are then coded from the stored 16-bit rows at their
+    positions: the block the prompt's own chunk gives, code for code (a continued prompt's answers unchanged)."""
+    model = tiny_llama()
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, pca_scope=scope, evict=0.1, min_block=8)
+    chunks = []
+    original = ShardLayer.compress_block
+
+    def keep_chunk(self, key, value, start, ctx):
+        chunks.append((self, key.clone(), value.clone(), start, ctx))
+        return original(self, key, value, start, ctx)
+
+    ShardLayer.compress_block = keep_chunk
+    try:
+        prefill(model, cache, torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0)))
+    finally:
+        ShardLayer.compress_block = original
+    for layer, key, value, start, ctx in chunks:
+        evicted, = layer.evicted
+        keep = torch.ones(key.shape[2], dtype=torch.bool)
+        keep[evicted.rows] = False
+        direct = layer.encode_block(key, value, start, ctx, ~keep, None)
+        later = layer.encode_evicted(evicted)
+        assert (later.start, later.n, later.span) == (direct.start, direct.n, direct.span)
+        for kind, tensors in direct.parts().items():
+            assert all(torch.equal(a, b) for a, b in zip(tensors, later.parts()[kind], strict=True)), kind
 
 
 def test_eviction_keeps_the_needle_the_last_queries_read_and_its_neighbours():

@@ -107,8 +107,10 @@ CASES = [
 @pytest.mark.parametrize("opts,shape", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_triton_block_attention_equals_reference(opts, shape):
     cache = shard_cache(model_with(**shape), **opts)
-    if opts.get("evict"):  # the kept rows' block and the evicted rows' block (held until decoding)
-        assert all(layer.middle[0].kept is not None and layer.unread for layer in cache.layers)
+    if opts.get("evict"):  # the kept rows' block and the evicted rows' block
+        assert all(layer.middle[0].kept is not None and layer.evicted for layer in cache.layers)
+        for layer in cache.layers:  # held uncoded until the next call: coded as a fork or save codes them
+            layer.code_evicted()
     if opts.get("salient"):
         assert all(block.salient is not None for layer in cache.layers for block in layer.middle)
     assert_triton_equals_reference(cache)

@@ -59,10 +59,12 @@ from the options when the block is made: codes and salient rows per token, bases
 ``ratio`` times fewer than an fp16 cache of its tokens, but never past the point where the evicted tokens
 hold more than ``evict`` (0.1) of some head's observed attention: a layer whose attention is spread keeps
 more, so the target is met where the prompt allows it (9.8x at 8K on the embedded model, 7.5x at 2K;
-docs/results.md, "Session 19"). The evicted tokens are coded as a block of their own and held until the
-cache knows whether the prompt ended with its question: a decode step right after the prompt drops them
-(the question was in the prompt, and its last queries did not read them); a step of several tokens (a
-question asked after the document, another chunk), or a fork or save before it, keeps them for good, so a
+docs/results.md, "Session 19"). The evicted tokens are held as they left the exact window until the cache
+knows whether the prompt ended with its question: a decode step right after the prompt drops them
+(the question was in the prompt, and its last queries did not read them), never having coded them (half
+of the compression's time: docs/results.md, "Session 20"); a step of several tokens (a question asked after
+the document, another chunk), or a fork or save before it, codes them as a block of their own (their own PCA
+fit, the codes the prompt's chunk would have given them) and keeps them for good, so a
 document compressed before its questions keeps every fact its later questions ask for (what a document
 loses when they are dropped anyway: docs/results.md, "Session 8"). ``ratio=0`` leaves ``evict``'s share
 alone to decide (the default of sessions 16-18, at 0.02); ``evict=0`` keeps every token.

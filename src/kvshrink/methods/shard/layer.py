@@ -20,7 +20,7 @@ from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
 from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
-from kvshrink.methods.shard.segments import BasisFactors, MiddleBlock, TurboSegment, stack_scopes
+from kvshrink.methods.shard.segments import BasisFactors, EvictedTokens, MiddleBlock, TurboSegment, stack_scopes
 from kvshrink.methods.shard.shared import ShardShared
 
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
@@ -74,9 +74,12 @@ class ShardLayer(CacheLayer):
         self._window = ExactStore(dtype)
         self._ring: ExactRing | None = None              # sinks + window while decoding (see `ring_attend`)
         self.middle: list[MiddleBlock] = []
-        # evict or ratio > 0: the last prompt's evicted tokens, coded. The prompt ended with its question when a decode
+        # evict or ratio > 0: the last prompt's evicted tokens. The prompt ended with its question when a decode
         # step follows it directly; they are dropped then, and kept as middle blocks otherwise (see
-        # `settle_unread`): a document compressed before its questions keeps every token.
+        # `settle_unread`): a document compressed before its questions keeps every token. Held uncoded
+        # (`evicted`) until then, since a question's prompt drops them unread: coding them would be half of
+        # the compression's time; coded (`unread`) once forked or saved.
+        self.evicted: list[EvictedTokens] = []
         self.unread: list[MiddleBlock] = []
         self.stream = TurboSegment()
         self.decoding = False
@@ -85,6 +88,7 @@ class ShardLayer(CacheLayer):
         self._sinks_len: int | None = None               # sinks + the prompt's most left padding
 
     def shared_on_fork(self) -> list:
+        self.code_evicted()  # coded once, in the parent: every fork shares the blocks
         return self.middle + self.unread  # a compressed block is never changed once made
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -96,11 +100,17 @@ class ShardLayer(CacheLayer):
         decodes one token: the prompt ended with its question, whose last queries chose them as unread. A
         step of several tokens continues the prompt (a question asked after the document, another chunk):
         then they become middle blocks for good, since the new text may ask for them."""
-        if not self.unread:
+        if not (self.unread or self.evicted):
             return
         if new_tokens > 1:
+            self.code_evicted()
             self.middle += self.unread
-        self.unread = []
+        self.unread, self.evicted = [], []
+
+    def code_evicted(self) -> None:
+        """Code the held evicted tokens (`evicted`) as blocks still dropped by a decode step (`unread`)."""
+        self.unread += [self.encode_evicted(tokens) for tokens in self.evicted]
+        self.evicted = []
 
     def blocks(self) -> list[MiddleBlock]:
         """Every compressed block attention reads: the middle blocks and the unread ones still held."""
@@ -125,8 +135,10 @@ class ShardLayer(CacheLayer):
             self._ring = None
 
     def __getstate__(self) -> dict:
-        # saved and copied as the two stores (the ring is a decode-time layout, rebuilt on the next step)
+        # saved and copied as the two stores (the ring is a decode-time layout, rebuilt on the next step), the
+        # evicted tokens coded (what they hold is unchanged; their step context is not state)
         self.unpack_ring()
+        self.code_evicted()
         state = dict(self.__dict__)
         state["sinks"], state["window"] = state.pop("_sinks"), state.pop("_window")
         del state["_ring"]
@@ -135,6 +147,7 @@ class ShardLayer(CacheLayer):
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         state.setdefault("unread", [])  # files written before evicted tokens were held until decoding
+        state.setdefault("evicted", [])
         state["_sinks"], state["_window"] = state.pop("sinks"), state.pop("window")
         self.__dict__.update(state, _ring=None)
 
@@ -496,10 +509,10 @@ class ShardLayer(CacheLayer):
         start = self.window.start
         k, v = (x.float() for x in self.window.pop_front(overflow))
         if not self.decoding and overflow >= self.cfg.min_block:
-            block, unread = self.compress_block(k, v, start, ctx)
+            block, evicted = self.compress_block(k, v, start, ctx)
             self.middle.append(block)
-            if unread is not None:
-                self.unread.append(unread)
+            if evicted is not None:
+                self.evicted.append(evicted)
         else:
             self.stream.append(self.shared.turbo.encode(k), self.shared.turbo.encode(v), start, overflow)
 
@@ -550,10 +563,10 @@ class ShardLayer(CacheLayer):
         return weight.rsqrt().reshape(-1, width).to(torch.float16)             # [scopes, width]
 
     def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext
-                       ) -> tuple[MiddleBlock, MiddleBlock | None]:
-        """The chunk's middle tokens ``start ..`` coded as a block, and, when ``evict`` drops some, a second
-        block of the dropped ones (their own PCA fit, no salient rows): the caller holds it until it knows
-        whether the prompt ended with its question (see `settle_unread`)."""
+                       ) -> tuple[MiddleBlock, EvictedTokens | None]:
+        """The chunk's middle tokens ``start ..`` coded as a block, and, when ``evict`` drops some, the dropped
+        ones uncoded: the caller holds them until it knows whether the prompt ended with its question (see
+        `settle_unread`)."""
         observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
         importance = None
         if observer is not None and (self.cfg.salient > 0 or self.cfg.evicts):
@@ -568,7 +581,12 @@ class ShardLayer(CacheLayer):
         # One helper call per block, so each block's full-size temporaries are freed before the next starts
         # (extra peak memory stays below one layer's prompt K+V; measured by a test).
         kept = self.encode_block(key, value, start, ctx, keep, importance)
-        return kept, None if keep is None else self.encode_block(key, value, start, ctx, ~keep, None)
+        if keep is None:
+            return kept, None
+        rows = (~keep).nonzero().squeeze(-1)
+        dtype = self._window.dtype  # the dtype they left the window in: narrowing back is exact
+        return kept, EvictedTokens(start, key.shape[2], rows, key.index_select(2, rows).to(dtype),
+                                   value.index_select(2, rows).to(dtype), ctx)
 
     def tokens_within_ratio(self, span: int, batch: int) -> int:
         """How many of a new block's ``span`` middle tokens the layer can store and still hold ``ratio`` times
@@ -577,10 +595,12 @@ class ShardLayer(CacheLayer):
         rows per token, and its bases, codebook, scales, kept-token map and the decode's float32 basis factors
         once; the cache's token ids (int64, kept to refuse another prompt) are charged to the layers alike."""
         dim = self.h_kv * self.d
-        covered = len(self._sinks) + len(self._window) + sum(b.covers for b in self.middle) + self.stream.n + span
+        covered = self.seen  # every token so far, this block's included (evicted tokens are counted by fp16 too)
         target = batch * covered * dim * 4 / self.cfg.ratio                 # fp16 K and V: 4 bytes a channel
         target -= batch * covered * 8 / self.info.num_layers                # this layer's share of the token ids
-        held = self.nbytes() - sum(held_bytes(t) for block in self.unread for t in block.parts().values())
+        parts = self.breakdown()  # the last prompt's evicted tokens are not the layer's to keep
+        held = sum(parts.values()) - parts["evicted"] - \
+            sum(held_bytes(t) for block in self.unread for t in block.parts().values())
         width = dim if self.cfg.pca_scope == "layer" else self.d
         rank, scopes = self.key_rank(width), dim // width
         basis = width * rank + 2 * width + 2 * 2 * rank        # int8 basis, fp16 mean, fp16 scale and step
@@ -602,7 +622,7 @@ class ShardLayer(CacheLayer):
         span, rows = key.shape[2], None if keep is None else keep.nonzero().squeeze(-1)
         # The block's rows are selected one head at a time inside the encoders: a copy of the layer's kept
         # K/V would double the compression's extra peak memory.
-        keys = self.encode_keys(key, start, ctx, rows, span)
+        keys = self.encode_keys(key, self.shared.rope(ctx, start, span), rows)
         v_codes, codebook, scale = self.encode_values(value, rows)
         salient = None
         if self.cfg.salient > 0 and importance is not None:
@@ -616,13 +636,27 @@ class ShardLayer(CacheLayer):
             block.derived.rows = rows  # the decode steps' RoPE positions, without a sync on first use
         return block
 
-    def encode_keys(self, key: torch.Tensor, start: int, ctx: StepContext, rows: torch.Tensor | None = None,
-                    span: int = 0) -> list[PCACode]:
-        """Post-RoPE keys ``[B, H_kv, span, d]`` of tokens ``start .. start+span-1`` -> one `PCACode` per PCA
-        scope of the pre-RoPE keys of all of them, or of the block rows ``rows`` only."""
+    def encode_evicted(self, tokens: EvictedTokens) -> MiddleBlock:
+        """The held evicted tokens as a block of their own (their own PCA fit, no salient rows): the block
+        `encode_block` makes of them from the prompt's chunk, code for code."""
+        key, value = tokens.key.float(), tokens.value.float()
+        keys = self.encode_keys(key, self.shared.rope_of(tokens.ctx, tokens.rows + tokens.start))
+        v_codes, codebook, scale = self.encode_values(value)
+        kept = torch.zeros(tokens.span, dtype=torch.uint8, device=tokens.rows.device)
+        kept[tokens.rows] = 1
+        block = MiddleBlock(start=tokens.start, n=tokens.rows.numel(), keys=keys, v_codes=v_codes, v_codebook=codebook,
+                            v_scale=scale, kept=pack_bits(kept, 1), span=tokens.span)
+        if backend.gpu_path(key):
+            block.derived.rows = tokens.rows
+        return block
+
+    def encode_keys(self, key: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    rows: torch.Tensor | None = None) -> list[PCACode]:
+        """Post-RoPE keys ``[B, H_kv, span, d]`` with their RoPE ``(cos, sin) [B, span, d]`` -> one `PCACode` per
+        PCA scope of the pre-RoPE keys of all of them, or of the block rows ``rows`` only."""
         b, h, _, d = key.shape
         n = key.shape[2] if rows is None else rows.numel()
-        cos, sin = self.shared.rope(ctx, start, span or n)  # the step's memoised tables: no copy per block
+        cos, sin = rope
         scopes = h if self.cfg.pca_scope == "head" else 1
         width = h * d // scopes
         column_scale = self.key_column_scale(width)
@@ -724,6 +758,7 @@ class ShardLayer(CacheLayer):
             for kind, tensors in block.parts().items():
                 out[f"middle_{kind}"] += held_bytes(tensors)
         out["stream"] = held_bytes(self.stream.tensors())
+        out["evicted"] = sum(held_bytes(tokens.tensors()) for tokens in self.evicted)  # uncoded until the next call
         # what the decode paths derive per block (built on first use): the fast kernel's run layouts
         # (integers) and basis factors, the GPU path's kept rows, bit layout and kernel inputs
         out["middle_run_layouts"] = sum(block.derived.runs_nbytes() for block in self.blocks())
@@ -736,10 +771,11 @@ class ShardLayer(CacheLayer):
 
     def stats(self) -> dict[str, float]:
         return {"middle_tokens": float(sum(b.n for b in self.middle)),
-                "unread_tokens": float(sum(b.n for b in self.unread)), "stream_tokens": float(self.stream.n)}
+                "unread_tokens": float(sum(b.n for b in self.unread) + sum(t.rows.numel() for t in self.evicted)),
+                "stream_tokens": float(self.stream.n)}
 
     def clear(self) -> None:
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
         self._sinks, self._window, self._ring = ExactStore(dtype), ExactStore(dtype), None
-        self.middle, self.unread, self.stream, self.decoding = [], [], TurboSegment(), False
+        self.middle, self.unread, self.evicted, self.stream, self.decoding = [], [], [], TurboSegment(), False
         self._query_energy = self._observer = self._sinks_len = None

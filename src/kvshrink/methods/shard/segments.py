@@ -1,5 +1,6 @@
 """Shard's compressed segments: `MiddleBlock` (one prefill chunk's PCA key codes and VQ value
-codes) and `TurboSegment` (the TurboQuant decode stream)."""
+codes), `EvictedTokens` (a prompt's evicted tokens until the next call) and `TurboSegment` (the
+TurboQuant decode stream)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvshrink.cache.base import StepContext
 from kvshrink.codecs.bitpack import unpack_bits
 from kvshrink.codecs.lloyd_max import TurboCode
 from kvshrink.codecs.pca import PCACode, stack_fields
@@ -123,6 +125,23 @@ class MiddleBlock:
                 "v_codes": [self.v_codes], "v_scales": [self.v_scale], "v_codebooks": [self.v_codebook],
                 "salient": [] if self.salient is None else self.salient.tensors(),
                 "kept": [] if self.kept is None else [self.kept]}
+
+
+@dataclass
+class EvictedTokens:
+    """A prompt's evicted middle tokens, ``start + rows`` of the ``span`` its block covers, held as they left
+    the exact window (post-RoPE, its dtype) until the next call shows whether they are needed: a decode step
+    drops them, anything else (a continued prompt, a fork, a save) codes them as a block of their own."""
+
+    start: int
+    span: int
+    rows: torch.Tensor   # [n] int64 offsets from start, ascending
+    key: torch.Tensor    # [B, H_kv, n, d]
+    value: torch.Tensor  # [B, H_kv, n, d]
+    ctx: StepContext     # the prompt's step: the tokens' RoPE positions, to code them later
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.key, self.value, self.rows]
 
 
 # The stream buffer's free slots are held, and counted, bytes: it grows by an eighth of the tokens it holds

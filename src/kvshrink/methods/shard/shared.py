@@ -85,7 +85,11 @@ class ShardShared:
         return self._memo(ctx, ("channel_rope", start, n), make)
 
     def _cos_sin(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.arange(start, start + n, device=ctx.offset.device)
+        return self.rope_of(ctx, torch.arange(start, start + n, device=ctx.offset.device))
+
+    @staticmethod
+    def rope_of(ctx: StepContext, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``index [n]`` (not memoised)."""
         cos, sin = ctx.rope(ctx.positions(index))
         return cos.float(), sin.float()
 
