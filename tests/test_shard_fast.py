@@ -190,6 +190,26 @@ def test_the_value_pass_equals_the_torch_ops():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n", [0, 1, 15, 17, 1000])
+def test_the_one_pass_softmax_equals_torch_s(n):
+    """`fused._softmax_rows` (exp as a vectorised polynomial) == torch's softmax and log-sum-exp within float32
+    rounding, with masked tokens (-inf: exactly zero), a row masked whole (zeros, -inf), and scores spread past
+    exp's range (the smallest probabilities underflow to zero, as in torch)."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(6, n, generator=g) * torch.tensor([1.0, 8.0, 40.0, 200.0, 3.0, 1.0])[:, None]
+    scores[4, ::3] = float("-inf")
+    scores[5] = float("-inf")
+    probs, lse = scores.numpy().copy(), np.empty(6, np.float32)
+    fused._softmax_rows(probs, lse)
+    want_lse = torch.logsumexp(scores, dim=-1)
+    want = torch.exp(scores - want_lse.clamp_min(torch.finfo(torch.float32).min)[:, None])
+    torch.testing.assert_close(torch.from_numpy(probs), want, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(lse), want_lse, atol=1e-5, rtol=1e-6)
+    assert (torch.from_numpy(probs)[scores == float("-inf")] == 0).all()
+    live = (scores > float("-inf")).any(-1)
+    assert torch.from_numpy(probs)[live].sum(-1).sub(1).abs().le(1e-5).all()
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_the_one_pass_stream_attention_equals_the_torch_ops(bits):
     """`fused.turbo_attention` (scores, softmax and weighted sum straight from TurboQuant codes) == the torch

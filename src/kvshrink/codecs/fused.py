@@ -89,32 +89,42 @@ if numba is not None:
     def _decode_levels(codes, runs, n_runs, lut, lut64, first, out, out64):  # pragma: no cover - compiled
         # tokens first .. first+m-1 of one scope's codes [n, bytes] -> out [m, r + spare]: each component's unit
         # level, exactly the components' columns written (out64: out as 8-byte words, two levels at once where a
-        # 4- or 2-bit run starts at an even column); zeros past the runs
+        # 4- or 2-bit run starts at an even column); zeros past the runs. Run by run, every token in each: the
+        # loops over a run's bytes then have one body and one trip count (token by token, with a branch per run
+        # inside, took twice as long at 8K)
         m, rank = out.shape[0], out.shape[1] - _SPARE
         top = 0
         for k in range(n_runs):
             top = max(top, runs[k, 1] + runs[k, 2])
-        for i in range(m):
-            o, o64 = out[i], out64[i]
-            row = codes[first + i]
-            for k in range(n_runs):
-                bits, a, n_codes, at = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 3]
-                base = (bits - 1) * 256
-                whole = 0                               # codes decoded by the run's fast loop
-                if bits == 8:
+        for k in range(n_runs):
+            bits, a, n_codes, at = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 3]
+            base = (bits - 1) * 256
+            whole = 0                                   # codes decoded by the run's fast loop
+            if bits == 8:
+                whole = n_codes
+                for i in range(m):
+                    row, o = codes[first + i], out[i]
                     for c in range(n_codes):
                         o[a + c] = lut[base + row[at + c], 0]
-                    whole = n_codes
-                elif (bits == 4 or bits == 2) and a % 2 == 0:
-                    per = 8 // bits                     # a byte's codes: one or two 8-byte words of levels
-                    words = per // 2
-                    whole = n_codes // per * per
-                    for c in range(n_codes // per):
-                        entry = base + row[at + c]
-                        for w in range(words):
-                            o64[a // 2 + c * words + w] = lut64[entry, w]
-                elif bits == 6:                         # four codes in every three bytes, no branch
-                    whole = n_codes // 4 * 4
+            elif (bits == 4 or bits == 2) and a % 2 == 0:
+                per = 8 // bits                         # a byte's codes: one or two 8-byte words of levels
+                whole = n_codes // per * per
+                if per == 2:
+                    for i in range(m):
+                        row, o64 = codes[first + i], out64[i]
+                        for c in range(n_codes // 2):
+                            o64[a // 2 + c] = lut64[base + row[at + c], 0]
+                else:
+                    for i in range(m):
+                        row, o64 = codes[first + i], out64[i]
+                        for c in range(n_codes // 4):
+                            entry = base + row[at + c]
+                            o64[a // 2 + 2 * c] = lut64[entry, 0]
+                            o64[a // 2 + 2 * c + 1] = lut64[entry, 1]
+            elif bits == 6:                             # four codes in every three bytes, no branch
+                whole = n_codes // 4 * 4
+                for i in range(m):
+                    row, o = codes[first + i], out[i]
                     for c in range(n_codes // 4):
                         p = at + 3 * c
                         x = np.int32(row[p]) | (np.int32(row[p + 1]) << 8) | (np.int32(row[p + 2]) << 16)
@@ -122,16 +132,20 @@ if numba is not None:
                         o[a + 4 * c + 1] = lut[base + ((x >> 6) & 63), 0]
                         o[a + 4 * c + 2] = lut[base + ((x >> 12) & 63), 0]
                         o[a + 4 * c + 3] = lut[base + ((x >> 18) & 63), 0]
+            if whole < n_codes:                         # the rest one code at a time (it may straddle bytes)
                 mask = (1 << bits) - 1
-                for c in range(whole, n_codes):        # the rest one code at a time (it may straddle bytes)
-                    bit = c * bits
-                    byte, shift = at + (bit >> 3), bit & 7
-                    v = np.int32(row[byte])
-                    if shift + bits > 8:
-                        v |= np.int32(row[byte + 1]) << 8
-                    o[a + c] = lut[(bits - 1) * 256 + ((v >> shift) & mask), 0]
+                for i in range(m):
+                    row, o = codes[first + i], out[i]
+                    for c in range(whole, n_codes):
+                        bit = c * bits
+                        byte, shift = at + (bit >> 3), bit & 7
+                        v = np.int32(row[byte])
+                        if shift + bits > 8:
+                            v |= np.int32(row[byte + 1]) << 8
+                        o[a + c] = lut[base + ((v >> shift) & mask), 0]
+        for i in range(m):
             for j in range(top, rank):
-                o[j] = 0.0
+                out[i, j] = 0.0
 
     @njit(cache=True, fastmath=_FASTMATH, inline="always")
     def _pair_scores(re_row, im_row, re_mean, im_mean, c, s, q, p, half, acc, w):  # pragma: no cover - compiled
@@ -184,6 +198,64 @@ if numba is not None:
                                              c_tile[p], s_tile[p], q4[b, h, g], p, half, acc, w)
                             for k in range(min(4, n_rows - 4 * g)):
                                 scores[b, h, 4 * g + k, t0:t0 + w] = acc[k, :w]
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _row_max(x):  # pragma: no cover - compiled
+        # the largest of x [n] (-inf when empty): 16 running maxima side by side, so the loop vectorises
+        n = x.shape[0]
+        acc = np.full(16, -np.inf, np.float32)
+        for i0 in range(0, n - 15, 16):
+            for j in range(16):
+                v = x[i0 + j]
+                acc[j] = v if v > acc[j] else acc[j]
+        top = np.float32(-np.inf)
+        for j in range(16):
+            top = acc[j] if acc[j] > top else top
+        for i in range(n - n % 16, n):
+            top = x[i] if x[i] > top else top
+        return top
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _softmax_rows(scores, lse):  # pragma: no cover - compiled
+        # scores [rows, n] -> their softmax in place, lse [rows] their log-sum-exp (a row of -inf: zeros, -inf).
+        # exp(v), v = score - max <= 0, as 2**k * p(f) (v = k ln 2 + f, |f| <= ln 2 / 2, p: its degree-7 Taylor
+        # polynomial, under 1e-7 relative), 2**k added to p's exponent bits: loops that vectorise (numba's exp
+        # does not without Intel's SVML); below -87 (under 2**-126) exactly zero
+        rows, n = scores.shape
+        shift = np.empty(n, np.int32)
+        for r in range(rows):
+            x = scores[r]
+            top = _row_max(x)
+            if top == -np.inf:
+                x[:] = 0.0
+                lse[r] = -np.inf
+                continue
+            for i in range(n):
+                v = x[i] - top
+                inside = v > np.float32(-87.0)
+                v = v if inside else np.float32(-87.0)
+                k = np.floor(v * np.float32(1.4426950408889634) + np.float32(0.5))
+                f = v - k * np.float32(0.693359375) - k * np.float32(-2.1219444e-4)
+                p = np.float32(1.0 / 5040)
+                p = p * f + np.float32(1.0 / 720)
+                p = p * f + np.float32(1.0 / 120)
+                p = p * f + np.float32(1.0 / 24)
+                p = p * f + np.float32(1.0 / 6)
+                p = p * f + np.float32(0.5)
+                p = p * f + np.float32(1.0)
+                p = p * f + np.float32(1.0)
+                x[i] = p if inside else np.float32(0.0)
+                shift[i] = (np.int32(k) << 23) if inside else np.int32(0)
+            bits = x.view(np.int32)
+            for i in range(n):
+                bits[i] += shift[i]
+            total = np.float32(0.0)
+            for i in range(n):
+                total += x[i]
+            inv = np.float32(1.0) / total
+            for i in range(n):
+                x[i] *= inv
+            lse[r] = top + np.log(total)
 
     @njit(cache=True)
     def _set_bits(packed, n, out):  # pragma: no cover - compiled
@@ -590,12 +662,10 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
         _block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)
     if hidden is not None and hidden.shape[-1]:
         _hide(scores, _numpy(hidden.to(torch.int32)))
-    # torch's softmax: its exp is vectorised (numba's is not without SVML: about 4x slower here)
-    logits = torch.from_numpy(scores)
-    lse = torch.logsumexp(logits, dim=-1)
-    logits.sub_(lse.clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1)).exp_()  # rows of -inf: zeros
+    lse = np.empty((batch, heads, n_rows), np.float32)
+    _softmax_rows(scores.reshape(batch * heads * n_rows, n), lse.reshape(-1))  # one pass a row, not three torch ops
     _value_bins(scores, _numpy(v_codes), v_bits, n_groups, bins)
-    return torch.from_numpy(bins)[..., :n_rows].transpose(2, 3), lse
+    return torch.from_numpy(bins)[..., :n_rows].transpose(2, 3), torch.from_numpy(lse)
 
 
 def set_bit_positions(packed: torch.Tensor, n: int) -> torch.Tensor:
