@@ -190,6 +190,38 @@ def test_the_value_pass_equals_the_torch_ops():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_the_threaded_kernels_give_the_serial_kernels_results_exactly():
+    """With two torch threads the coefficient decode, the scores and the value pass run their parallel variants
+    (numba's OpenMP or TBB pool, as many threads as torch): the same numbers as the serial kernels on one."""
+    if numba_threads() < 2:
+        pytest.skip("numba has one thread here")
+    model = tiny_llama()
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.5, salient=0.05, evict=0.1,
+                                min_block=8, kernel="fast")
+    prefill(model, cache, torch.randint(0, 128, (1, 2000), generator=torch.Generator().manual_seed(0)))
+    query = torch.randn(1, model.config.num_attention_heads, 1, 16, generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert fused._use_threads() == (threads == 2 and fused._threads_usable)
+            runs[threads] = [cache.layers[i].fused_middle_partial(cache.layers[i].middle[0], query, cache._ctx)
+                             for i in range(len(cache.layers))]
+    finally:
+        torch.set_num_threads(before)
+    if not fused._threads_usable:
+        pytest.skip("numba's threading layer here is its work queue: the serial kernels run")
+    for one, two in zip(runs[1], runs[2]):
+        assert torch.equal(one.out, two.out) and torch.equal(one.lse, two.lse)
+
+
+def numba_threads() -> int:
+    import numba
+
+    return numba.config.NUMBA_NUM_THREADS
+
+
 @pytest.mark.parametrize("n", [0, 1, 15, 17, 1000])
 def test_the_one_pass_softmax_equals_torch_s(n):
     """`fused._softmax_rows` (exp as a vectorised polynomial) == torch's softmax and log-sum-exp within float32
