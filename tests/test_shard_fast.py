@@ -216,6 +216,44 @@ def test_the_threaded_kernels_give_the_serial_kernels_results_exactly():
         assert torch.equal(one.out, two.out) and torch.equal(one.lse, two.lse)
 
 
+def test_the_one_pass_merge_equals_merge_partials():
+    """`fused.merge_partials` == the framework's `merge_partials` (the decode step's merge on the CPU fast path),
+    with rows a part does not see (lse -inf) and a row no part sees (zeros, -inf)."""
+    from kvshrink.cache.attention import Partial
+
+    g = torch.Generator().manual_seed(0)
+    parts = [Partial(torch.randn(2, 9, 1, 16, generator=g), torch.randn(2, 9, 1, generator=g) * 5) for _ in range(4)]
+    parts[1].lse[0, 3] = float("-inf")
+    for part in parts:
+        part.lse[1, 7] = float("-inf")
+    want = merge_partials(parts)
+    out, lse = fused.merge_partials([p.out for p in parts], [p.lse for p in parts])
+    torch.testing.assert_close(out, want.out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, want.lse, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[1, 7], torch.zeros(1, 16)) and lse[1, 7] == float("-inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [16, 4])
+def test_the_one_pass_int8_attention_equals_exact_attention_over_the_decoded_codes(dtype, group):
+    """`fused.int8_attention` (8-bit salient tokens read in place, decoded and rounded to the exact dtype in the
+    kernel) == exact attention over `dequantize_groups(code).to(dtype)`, what the torch path attends."""
+    from kvshrink.cache.attention import exact_partial, group_queries, ungroup
+    from kvshrink.codecs.groupwise import dequantize_groups, quantize_groups
+
+    g = torch.Generator().manual_seed(0)
+    keys = quantize_groups(torch.randn(2, 3, 37, 16, generator=g) * 3, 8, group)
+    values = quantize_groups(torch.randn(2, 3, 37, 16, generator=g), 8, group)
+    query = torch.randn(2, 9, 1, 16, generator=g)
+    want = exact_partial(query, dequantize_groups(keys).to(dtype), dequantize_groups(values).to(dtype), 0.25)
+    out, lse = fused.int8_attention(group_queries(query, 3), keys, values, 0.25, dtype)
+    torch.testing.assert_close(ungroup(out, 9), want.out.float(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ungroup(lse, 9), want.lse.float(), atol=2e-6, rtol=1e-6)
+    if dtype != torch.float32:  # the rounding to the exact dtype is what makes them equal
+        unrounded = exact_partial(query, dequantize_groups(keys), dequantize_groups(values), 0.25)
+        assert not torch.allclose(ungroup(out, 9), unrounded.out, atol=2e-6, rtol=1e-5)
+
+
 def numba_threads() -> int:
     import numba
 

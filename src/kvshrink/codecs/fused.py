@@ -42,7 +42,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "set_bit_positions", "turbo_attention", "turbo_supported",
+__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "int8_attention", "merge_partials", "set_bit_positions", "turbo_attention", "turbo_supported",
            "nearest_codewords", "warm_up"]
 
 # Tokens whose coefficients and keys are held at once (their keys stay in the core's cache: ~0.8 MB for
@@ -285,6 +285,89 @@ if numba is not None:
             for i in range(n):
                 x[i] *= inv
             lse[r] = top + np.log(total)
+
+    @njit(inline="always")
+    def _half_value(bits, pow2):  # pragma: no cover - compiled
+        # the float16 whose bits are ``bits`` (uint16; finite): (1024 + mantissa) * 2**(exponent - 25), or for
+        # exponent 0 (subnormal) mantissa * 2**-24 (pow2: those factors by exponent)
+        exponent = (bits >> 10) & 31
+        value = np.float32((bits & 1023) + (1024 if exponent else 0)) * pow2[exponent]
+        return -value if bits & 0x8000 else value
+
+    @njit(inline="always")
+    def _rounded(x, split):  # pragma: no cover - compiled (no fastmath: the split must not be reassociated)
+        # x rounded to nearest with the mantissa of the exact dtype (Veltkamp's split: split = 2**(24 - bits) + 1;
+        # 1 leaves x as it is), as ``.to(dtype)`` rounds the reference path's decoded codes
+        if split == 1.0:
+            return x
+        c = x * split
+        return c - (c - x)
+
+    @njit(cache=True)
+    def _int8_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pow2, split, scaling, out, lse):  # pragma: no cover
+        # grouped queries q [B, H, R, d] over m token vectors per head held as 8-bit codes [B, H, m, G, g] with an
+        # fp16 step and zero point per group (uint16 bits [B, H, m, G]), every one visible -> out [B, H, R, d], lse
+        batch, heads, rows, d = q.shape
+        m, group = k_codes.shape[2], k_codes.shape[4]
+        keys = np.empty((m, d), np.float32)
+        values = np.empty((m, d), np.float32)
+        scores = np.empty(m, np.float32)
+        for b in range(batch):
+            for h in range(heads):
+                for t in range(m):
+                    for j in range(d):
+                        gk, gj = j // group, j % group
+                        keys[t, j] = _rounded(np.float32(k_codes[b, h, t, gk, gj]) * _half_value(k_scale[b, h, t, gk], pow2)
+                                              + _half_value(k_zero[b, h, t, gk], pow2), split)
+                        values[t, j] = _rounded(np.float32(v_codes[b, h, t, gk, gj]) * _half_value(v_scale[b, h, t, gk], pow2)
+                                                + _half_value(v_zero[b, h, t, gk], pow2), split)
+                for r in range(rows):
+                    top = np.float32(-np.inf)
+                    for t in range(m):
+                        acc = np.float32(0.0)
+                        for j in range(d):
+                            acc += q[b, h, r, j] * keys[t, j]
+                        scores[t] = acc * scaling
+                        top = max(top, scores[t])
+                    if m == 0:
+                        out[b, h, r] = 0.0
+                        lse[b, h, r] = -np.inf
+                        continue
+                    mass = np.float32(0.0)
+                    for t in range(m):
+                        scores[t] = np.exp(scores[t] - top)
+                        mass += scores[t]
+                    out[b, h, r] = 0.0
+                    for t in range(m):
+                        w = scores[t] / mass
+                        for j in range(d):
+                            out[b, h, r, j] += w * values[t, j]
+                    lse[b, h, r] = top + np.log(mass)
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _merge(outs, lses, out, total):  # pragma: no cover - compiled
+        # outs [P, R, d], lses [P, R]: P partial softmaxes of R query rows -> their union's out [R, d] and
+        # log-sum-exp total [R] (rows no part sees: zeros, -inf)
+        parts, rows = lses.shape
+        weight = np.empty(parts, np.float32)
+        for r in range(rows):
+            top = np.float32(-np.inf)
+            for p in range(parts):
+                top = max(top, lses[p, r])
+            if top == -np.inf:
+                out[r] = 0.0
+                total[r] = -np.inf
+                continue
+            mass = np.float32(0.0)
+            for p in range(parts):
+                weight[p] = np.exp(lses[p, r] - top)
+                mass += weight[p]
+            out[r] = 0.0
+            for p in range(parts):
+                w = weight[p] / mass
+                for j in range(out.shape[1]):
+                    out[r, j] += w * outs[p, r, j]
+            total[r] = top + np.log(mass)
 
     @njit(cache=True)
     def _set_bits(packed, n, out):  # pragma: no cover - compiled
@@ -733,6 +816,46 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
     return torch.from_numpy(bins)[..., :n_rows].transpose(2, 3), torch.from_numpy(lse)
 
 
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cache.attention.merge_partials` of partials ``outs [B, H, q, d]`` (float32) and ``lses [B, H, q]`` on
+    CPU in one pass: ``(out, lse)`` of the softmax over their tokens' union (a decode step's handful of parts
+    per layer: a dozen small torch ops less)."""
+    out = np.empty(tuple(outs[0].shape), np.float32)
+    lse = np.empty(tuple(lses[0].shape), np.float32)
+    d = out.shape[-1]
+    _merge(np.stack([_numpy(o.float()).reshape(-1, d) for o in outs]),
+           np.stack([_numpy(x.float()).reshape(-1) for x in lses]), out.reshape(-1, d), lse.reshape(-1))
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+_HALF_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], np.float32)
+_SPLIT = {torch.float16: 2.0 ** 13 + 1, torch.bfloat16: 2.0 ** 16 + 1}
+
+
+def int8_attention(query: torch.Tensor, keys, values, scaling: float, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped ``query [B, H_kv, R, d]`` (float32, CPU) over token vectors held as 8-bit
+    `codecs.groupwise.GroupCode`s ``keys``/``values`` (``[B, H_kv, m, d]``, fp16 step and zero point per group),
+    every one visible, in one pass with no decoded copy: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``. The codes
+    are decoded as ``dequantize_groups(code).to(dtype)`` gives them (rounded to ``dtype``'s mantissa; values
+    under float16's normal range, below 6.1e-5, rounded relative to themselves)."""
+    if keys.bits != 8 or values.bits != 8:
+        raise ValueError(f"int8_attention reads 8-bit codes, got {keys.bits} and {values.bits} bits")
+    b, h, rows, d = query.shape
+    out = np.empty((b, h, rows, d), np.float32)
+    lse = np.empty((b, h, rows), np.float32)
+
+    def parts(code):
+        shape = code.scale.shape
+        codes = code.codes.reshape(*shape, code.group_size)
+        halves = [_numpy(x.view(torch.int16)).view(np.uint16) for x in (code.scale, code.zero)]
+        return _numpy(codes), *halves
+
+    _int8_attention(_numpy(query.float()), *parts(keys), *parts(values), _HALF_POW2,
+                    np.float32(_SPLIT.get(dtype, 1.0)), np.float32(scaling), out, lse)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
 def set_bit_positions(packed: torch.Tensor, n: int) -> torch.Tensor:
     """int64 indices of the set bits among the first ``n`` of ``packed`` (uint8, CPU; `codecs.bitpack` order),
     in one pass: what ``unpack_bits(packed, 1, n).nonzero()`` gives, in microseconds, not a few torch ops."""
@@ -858,6 +981,7 @@ def warm_up() -> None:
         finally:
             _threads_forced = None
     bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))
+    merge_partials([torch.zeros(1, 1, 1, 2)] * 2, [torch.zeros(1, 1, 1)] * 2)
     from .lloyd_max import TurboQuantizer
 
     turbo = TurboQuantizer(4, 4)

@@ -19,7 +19,8 @@ from kvshrink.codecs.table_decoder import RunLayout, SlotPlan, TableDecoder, run
 from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
-from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
+from kvshrink.methods.shard.salient import (SalientTokens, observed_importance, pick_salient, salient_partials,
+                                            tokens_to_keep)
 from kvshrink.methods.shard.segments import BasisFactors, EvictedTokens, MiddleBlock, TurboSegment, stack_scopes
 from kvshrink.methods.shard.shared import ShardShared
 
@@ -199,8 +200,12 @@ class ShardLayer(CacheLayer):
         if inside:
             ring.put(key, value)
         salient = [block.salient for block in self.middle if block.salient is not None]
-        # on CPU the salient tokens are attended with the ring's in one call (a few dozen rows per block:
-        # one kernel and one partial fewer per block); the GPU path reads their 8-bit codes in its kernel
+        # the CPU fast path reads 8-bit salient codes in one numba pass per block (decoding them with torch ops
+        # was ~0.2 ms a layer); otherwise on CPU the salient tokens are attended with the ring's in one call (a
+        # few dozen rows per block: one kernel and one partial fewer per block); the GPU path reads their 8-bit
+        # codes in its kernel
+        coded = [tokens for tokens in salient if tokens.coded] if self.on_cpu_fast_path(query) else []
+        salient = [tokens for tokens in salient if not any(tokens is c for c in coded)]
         together = bool(salient) and not backend.gpu_path(query)
         extra = [tokens.key_values(ring.dtype) for tokens in salient] if together else []
         parts = [part for part in (ring.partial(query, ctx.scaling, extra),) if part is not None]
@@ -208,10 +213,24 @@ class ShardLayer(CacheLayer):
             parts.append(self._chunk_partial(query, key, value, ctx))
         if not together:
             parts += salient_partials(query, salient, ctx.scaling, ring.dtype)
-        out = merge_partials(parts + self.code_partials(query, ctx), query.dtype).out
+        parts += [self.int8_partial(query, tokens, ctx.scaling, ring.dtype) for tokens in coded]
+        out = self.merge(parts + self.code_partials(query, ctx), query.dtype)
         self.decoding = True
         self.ring_commit(ring, None if inside else (key, value))
         return out.transpose(1, 2).contiguous()
+
+    def int8_partial(self, query: torch.Tensor, tokens: SalientTokens, scaling: float, dtype: torch.dtype) -> Partial:
+        """The partial of salient tokens held as 8-bit codes, from `fused.int8_attention` (decoded as
+        `SalientTokens.key_values(dtype)` decodes them)."""
+        out, lse = fused.int8_attention(group_queries(query.float(), self.h_kv), tokens.keys, tokens.values,
+                                        scaling, dtype)
+        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+
+    def merge(self, parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
+        """`merge_partials`' output in ``dtype``: on the CPU fast path one numba pass (`fused.merge_partials`)."""
+        if len(parts) > 1 and self.on_cpu_fast_path(parts[0].out):
+            return fused.merge_partials([p.out for p in parts], [p.lse for p in parts])[0].to(dtype)
+        return merge_partials(parts, dtype).out
 
     def decode_ring(self, key: torch.Tensor, ctx: StepContext) -> ExactRing:
         """The ring, packed from the sinks and window stores on the first decode step after anything else;
