@@ -303,46 +303,57 @@ if numba is not None:
         c = x * split
         return c - (c - x)
 
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _vector_attention(q, keys, values, scaling, out, lse, scores):  # pragma: no cover - compiled
+        # query rows q [R, d] over keys/values [m, d] (float32), every one visible -> out [R, d], lse [R]
+        m, d = keys.shape
+        for r in range(q.shape[0]):
+            top = np.float32(-np.inf)
+            for t in range(m):
+                acc = np.float32(0.0)
+                for j in range(d):
+                    acc += q[r, j] * keys[t, j]
+                scores[t] = acc * scaling
+                top = max(top, scores[t])
+            out[r] = 0.0
+            if m == 0:
+                lse[r] = -np.inf
+                continue
+            mass = np.float32(0.0)
+            for t in range(m):
+                scores[t] = np.exp(scores[t] - top)
+                mass += scores[t]
+            for t in range(m):
+                w = scores[t] / mass
+                for j in range(d):
+                    out[r, j] += w * values[t, j]
+            lse[r] = top + np.log(mass)
+
+    @njit(cache=True)
+    def _decode_int8(codes, scale, zero, pow2, split, out):  # pragma: no cover - compiled (no fastmath: `_rounded`)
+        # m token vectors held as 8-bit codes [m, G, g] with an fp16 step and zero point per group (uint16 bits
+        # [m, G]) -> out [m, G * g] float32, rounded to the exact dtype
+        m, groups, group = codes.shape
+        for t in range(m):
+            for k in range(groups):
+                step, low = _half_value(scale[t, k], pow2), _half_value(zero[t, k], pow2)
+                for j in range(group):
+                    out[t, k * group + j] = _rounded(np.float32(codes[t, k, j]) * step + low, split)
+
     @njit(cache=True)
     def _int8_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pow2, split, scaling, out, lse):  # pragma: no cover
         # grouped queries q [B, H, R, d] over m token vectors per head held as 8-bit codes [B, H, m, G, g] with an
         # fp16 step and zero point per group (uint16 bits [B, H, m, G]), every one visible -> out [B, H, R, d], lse
         batch, heads, rows, d = q.shape
-        m, group = k_codes.shape[2], k_codes.shape[4]
+        m = k_codes.shape[2]
         keys = np.empty((m, d), np.float32)
         values = np.empty((m, d), np.float32)
         scores = np.empty(m, np.float32)
         for b in range(batch):
             for h in range(heads):
-                for t in range(m):
-                    for j in range(d):
-                        gk, gj = j // group, j % group
-                        keys[t, j] = _rounded(np.float32(k_codes[b, h, t, gk, gj]) * _half_value(k_scale[b, h, t, gk], pow2)
-                                              + _half_value(k_zero[b, h, t, gk], pow2), split)
-                        values[t, j] = _rounded(np.float32(v_codes[b, h, t, gk, gj]) * _half_value(v_scale[b, h, t, gk], pow2)
-                                                + _half_value(v_zero[b, h, t, gk], pow2), split)
-                for r in range(rows):
-                    top = np.float32(-np.inf)
-                    for t in range(m):
-                        acc = np.float32(0.0)
-                        for j in range(d):
-                            acc += q[b, h, r, j] * keys[t, j]
-                        scores[t] = acc * scaling
-                        top = max(top, scores[t])
-                    if m == 0:
-                        out[b, h, r] = 0.0
-                        lse[b, h, r] = -np.inf
-                        continue
-                    mass = np.float32(0.0)
-                    for t in range(m):
-                        scores[t] = np.exp(scores[t] - top)
-                        mass += scores[t]
-                    out[b, h, r] = 0.0
-                    for t in range(m):
-                        w = scores[t] / mass
-                        for j in range(d):
-                            out[b, h, r, j] += w * values[t, j]
-                    lse[b, h, r] = top + np.log(mass)
+                _decode_int8(k_codes[b, h], k_scale[b, h], k_zero[b, h], pow2, split, keys)
+                _decode_int8(v_codes[b, h], v_scale[b, h], v_zero[b, h], pow2, split, values)
+                _vector_attention(q[b, h], keys, values, scaling, out[b, h], lse[b, h], scores)
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _merge(outs, lses, out, total):  # pragma: no cover - compiled
