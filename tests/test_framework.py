@@ -82,6 +82,19 @@ def test_partials_merge_to_exact_attention():
     torch.testing.assert_close(whole.out, reference.reshape(2, 6, 3, 8), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_token_alone_is_its_own_value_and_score(dtype):
+    """`self_partial` (a decode step's own token, attended alone) == `exact_partial` over that one token."""
+    from kvshrink.cache.attention import self_partial
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 8, generator=g).to(dtype)
+    k, v = torch.randn(2, 2, 1, 8, generator=g).to(dtype), torch.randn(2, 2, 1, 8, generator=g).to(dtype)
+    got, want = self_partial(q, k, v, 0.3), exact_partial(q, k, v, 0.3)
+    torch.testing.assert_close(got.out, want.out.float())
+    torch.testing.assert_close(got.lse, want.lse.float(), atol=1e-5, rtol=1e-5)
+
+
 def test_exact_partial_masks_padding_and_future():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)

@@ -114,6 +114,18 @@ def exact_partial(
     return _matmul_partial(query, key, value, scaling, mask, return_probs)
 
 
+def self_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> Partial:
+    """`exact_partial` of one new token ``query [B, H_q, 1, d]`` over itself alone (``key/value [B, H_kv, 1, d]``):
+    its value, and its scaled score as the log-sum-exp (a softmax over one token; a decode step's own token,
+    two small ops instead of an attention kernel per layer)."""
+    if gpu_path(query):
+        return exact_partial(query, key, value, scaling)
+    qg = group_queries(query.float(), key.shape[1])                          # [B, H_kv, G, d]
+    lse = (qg @ key.float().transpose(-1, -2)).squeeze(-1) * scaling         # [B, H_kv, G]
+    out = value.float().expand(*qg.shape)
+    return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+
+
 def _cpu_flash_available(query: torch.Tensor) -> bool:
     return query.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvshrink.cache.attention import Partial, causal_chunk_attention, exact_partial, merge_partials
+from kvshrink.cache.attention import Partial, causal_chunk_attention, exact_partial, merge_partials, self_partial
 from kvshrink.cache.store import DEFERRED_CHECK_EVERY, defer_nan, fp16_kv_bytes, held_bytes, raise_deferred
 from kvshrink.kernels.backend import gpu_path
 
@@ -233,8 +233,8 @@ class CacheLayer(CacheLayerMixin):
     @staticmethod
     def _chunk_partial(query, key, value, ctx: StepContext) -> Partial:
         """Exact causal attention of the new tokens over themselves."""
-        if ctx.q_len == 1:  # a lone new token sees exactly itself: no mask to build
-            return exact_partial(query, key, value, ctx.scaling)
+        if ctx.q_len == 1:  # a lone new token sees exactly itself: no mask to build, no softmax to take
+            return self_partial(query, key, value, ctx.scaling)
         return exact_partial(query, key, value, ctx.scaling, key_index=ctx.new_index, query_index=ctx.new_index,
                              pad_len=ctx.pad_len)
 

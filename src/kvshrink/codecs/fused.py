@@ -759,7 +759,10 @@ def _scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().numpy()
+    # a dozen per layer and decode step: skip the calls that would return the tensor itself
+    if t.requires_grad:
+        t = t.detach()
+    return (t if t.is_contiguous() else t.contiguous()).numpy()
 
 
 def _half_split(head_dim: int) -> torch.Tensor:
