@@ -799,9 +799,9 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
     rank = scaled.shape[1]
     basis_t = scaled.float().transpose(1, 2)         # [S, W, r]: BLAS reads it transposed in place
     groups = -(-n_rows // 4)
-    q4 = torch.zeros(batch, heads, groups * 4, d)
-    q4[:, :, :n_rows] = query * scaling
-    q4 = q4.view(batch, heads, groups, 4, d).numpy()
+    q4 = np.zeros((batch, heads, groups * 4, d), np.float32)
+    q4[:, :, :n_rows] = _numpy(query.float()) * np.float32(scaling)
+    q4 = q4.reshape(batch, heads, groups, 4, d)
     positions = _NO_ROWS if rows is None else _numpy(rows.long())
     c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
     scores = _scratch("scores", (batch, heads, n_rows, n)).numpy()

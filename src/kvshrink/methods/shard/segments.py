@@ -66,7 +66,8 @@ class BasisFactors:
     def scaled_bases_t(self, codes: list[PCACode]) -> torch.Tensor:
         """float32 ``[S, W, r]``: each scope's int8 basis times its factors (zero columns past its rank)."""
         rank = self.factor.shape[-1]
-        bases = torch.stack([torch.nn.functional.pad(code.basis_q, (0, rank - code.rank)) for code in codes])
+        bases = torch.stack([code.basis_q if code.rank == rank else
+                             torch.nn.functional.pad(code.basis_q, (0, rank - code.rank)) for code in codes])
         scaled = bases.float().mul_(self.factor)
         return scaled if self.column is None else scaled.mul_(self.column)
 
