@@ -254,6 +254,26 @@ def test_the_one_pass_int8_attention_equals_exact_attention_over_the_decoded_cod
         assert not torch.allclose(ungroup(out, 9), unrounded.out, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_one_pass_exact_attention_equals_exact_partial(dtype):
+    """`fused.exact_attention` (the decode ring's exact tokens on the CPU fast path) == `exact_partial`."""
+    from kvshrink.cache.attention import exact_partial, group_queries, ungroup
+
+    g = torch.Generator().manual_seed(0)
+    keys = (torch.randn(2, 3, 70, 16, generator=g) * 3).to(dtype)
+    values = torch.randn(2, 3, 70, 16, generator=g).to(dtype)
+    query = torch.randn(2, 9, 1, 16, generator=g)
+    want = exact_partial(query, keys, values, 0.25)
+    out, lse = fused.exact_attention(group_queries(query, 3), keys[:, :, :50], values[:, :, :50], 0.25)
+    part = exact_partial(query, keys[:, :, :50], values[:, :, :50], 0.25)  # a sliced (strided) ring
+    torch.testing.assert_close(ungroup(out, 9), part.out.float(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ungroup(lse, 9), part.lse.float(), atol=2e-6, rtol=1e-6)
+    out, lse = fused.exact_attention(group_queries(query, 3), keys, values, 0.25)
+    torch.testing.assert_close(ungroup(out, 9), want.out.float(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ungroup(lse, 9), want.lse.float(), atol=2e-6, rtol=1e-6)
+    assert fused.exact_supported(dtype)
+
+
 def numba_threads() -> int:
     import numba
 

@@ -42,7 +42,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "int8_attention", "merge_partials", "set_bit_positions", "turbo_attention", "turbo_supported",
+__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "exact_attention", "exact_supported",
+           "int8_attention", "merge_partials", "set_bit_positions", "turbo_attention", "turbo_supported",
            "nearest_codewords", "warm_up"]
 
 # Tokens whose coefficients and keys are held at once (their keys stay in the core's cache: ~0.8 MB for
@@ -223,7 +224,8 @@ if numba is not None:
             _tile_scores(job, keys_t, mean, cos_t, sin_t, rows, q4, heads_per_scope, first, m, scores)
 
     @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-    def _block_scores_parallel(keys_t, mean, cos_t, sin_t, rows, q4, heads_per_scope, first, m, scores):  # pragma: no cover
+    def _block_scores_parallel(keys_t, mean, cos_t, sin_t, rows, q4, heads_per_scope, first, m,
+                               scores):  # pragma: no cover - compiled
         # `_block_scores`, its tiles on numba's threads
         for job in numba.prange(q4.shape[0] * ((m + _TOKEN_TILE - 1) // _TOKEN_TILE)):
             _tile_scores(job, keys_t, mean, cos_t, sin_t, rows, q4, heads_per_scope, first, m, scores)
@@ -330,6 +332,14 @@ if numba is not None:
             lse[r] = top + np.log(mass)
 
     @njit(cache=True)
+    def _exact_attention(q, keys, values, scaling, out, lse):  # pragma: no cover - compiled
+        # grouped queries q [B, H, R, d] over keys/values [B, H, m, d] (float32), every one visible
+        scores = np.empty(keys.shape[2], np.float32)
+        for b in range(q.shape[0]):
+            for h in range(q.shape[1]):
+                _vector_attention(q[b, h], keys[b, h], values[b, h], scaling, out[b, h], lse[b, h], scores)
+
+    @njit(cache=True)
     def _decode_int8(codes, scale, zero, pow2, split, out):  # pragma: no cover - compiled (no fastmath: `_rounded`)
         # m token vectors held as 8-bit codes [m, G, g] with an fp16 step and zero point per group (uint16 bits
         # [m, G]) -> out [m, G * g] float32, rounded to the exact dtype
@@ -341,7 +351,8 @@ if numba is not None:
                     out[t, k * group + j] = _rounded(np.float32(codes[t, k, j]) * step + low, split)
 
     @njit(cache=True)
-    def _int8_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pow2, split, scaling, out, lse):  # pragma: no cover
+    def _int8_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pow2, split, scaling, out,
+                        lse):  # pragma: no cover - compiled
         # grouped queries q [B, H, R, d] over m token vectors per head held as 8-bit codes [B, H, m, G, g] with an
         # fp16 step and zero point per group (uint16 bits [B, H, m, G]), every one visible -> out [B, H, R, d], lse
         batch, heads, rows, d = q.shape
@@ -842,6 +853,27 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
+def exact_supported(dtype: torch.dtype) -> bool:
+    """Whether `exact_attention` reads keys and values of ``dtype`` (numba imported; float32, float16, bfloat16)."""
+    return available() and dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped ``query [B, H_kv, R, d]`` (float32, CPU) over ``keys/values [B, H_kv, m, d]`` (float32
+    or float16; bfloat16 converted by torch), every one visible: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``, one
+    pass per head (a decode step's few dozen exact tokens: no attention kernel's setup, no host sync)."""
+    b, h, rows, d = query.shape
+    out = np.empty((b, h, rows, d), np.float32)
+    lse = np.empty((b, h, rows), np.float32)
+
+    def floats(x: torch.Tensor) -> np.ndarray:
+        return _numpy(x).astype(np.float32, copy=False) if x.dtype != torch.bfloat16 else _numpy(x.float())
+
+    _exact_attention(_numpy(query.float()), floats(keys), floats(values), np.float32(scaling), out, lse)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
 _HALF_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], np.float32)
 _SPLIT = {torch.float16: 2.0 ** 13 + 1, torch.bfloat16: 2.0 ** 16 + 1}
 
@@ -996,6 +1028,13 @@ def warm_up() -> None:
             _threads_forced = None
     bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))
     merge_partials([torch.zeros(1, 1, 1, 2)] * 2, [torch.zeros(1, 1, 1)] * 2)
+    for dtype in (torch.float32, torch.float16):
+        exact_attention(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2, dtype=dtype),
+                        torch.zeros(1, 1, 1, 2, dtype=dtype), 1.0)
+    from .groupwise import quantize_groups
+
+    vectors = quantize_groups(torch.ones(1, 1, 1, 2), 8, 2)
+    int8_attention(torch.zeros(1, 1, 1, 2), vectors, vectors, 1.0, torch.float16)
     from .lloyd_max import TurboQuantizer
 
     turbo = TurboQuantizer(4, 4)

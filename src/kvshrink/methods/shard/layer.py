@@ -208,7 +208,8 @@ class ShardLayer(CacheLayer):
         salient = [tokens for tokens in salient if not any(tokens is c for c in coded)]
         together = bool(salient) and not backend.gpu_path(query)
         extra = [tokens.key_values(ring.dtype) for tokens in salient] if together else []
-        parts = [part for part in (ring.partial(query, ctx.scaling, extra),) if part is not None]
+        fast = self.on_cpu_fast_path(query) and fused.exact_supported(ring.dtype)
+        parts = [part for part in (ring.partial(query, ctx.scaling, extra, fast),) if part is not None]
         if not inside:
             parts.append(self._chunk_partial(query, key, value, ctx))
         if not together:

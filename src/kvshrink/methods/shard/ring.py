@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial
+from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
 from kvshrink.cache.store import ExactStore, check_storage
+from kvshrink.codecs import fused
 from kvshrink.kernels.backend import gpu_path, triton_available
 
 
@@ -65,9 +66,10 @@ class ExactRing:
         return self.kv[:, :, :, at:at + 1], index
 
     def partial(self, query: torch.Tensor, scaling: float,
-                extra: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> Partial | None:
+                extra: list[tuple[torch.Tensor, torch.Tensor]] = (), fast: bool = False) -> Partial | None:
         """Exact attention of ``query`` over every token held and the ``extra`` keys and values (tokens
-        the query sees all of, in the ring's dtype: attended in the same call), None when there are none."""
+        the query sees all of, in the ring's dtype: attended in the same call), None when there are none.
+        ``fast``: by `codecs.fused.exact_attention` (CPU, numba) rather than `exact_partial`."""
         live = self.n_sinks + self.count
         if live == self.keys.shape[2]:
             keys, values = self.keys, self.values
@@ -80,6 +82,9 @@ class ExactRing:
             values = torch.cat([values, *(v for _, v in extra)], dim=2)
         if keys.shape[2] == 0:
             return None
+        if fast:
+            out, lse = fused.exact_attention(group_queries(query.float(), keys.shape[1]), keys, values, scaling)
+            return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
         return exact_partial(query, keys, values, scaling)
 
     def _window_positions(self) -> torch.Tensor:
