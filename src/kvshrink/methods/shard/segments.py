@@ -167,8 +167,18 @@ class TurboSegment:
     runs: list = None  # (first index, count) of each appended run; python ints, for `dequantized`
     buffer: TurboCode | None = None
 
+    def add_run(self, start: int, count: int) -> None:
+        """Record tokens ``start .. start+count-1`` as appended: one run with the last when they follow it (a
+        decode step's token each step: the list stays one run long, not one entry per generated token)."""
+        runs = list(self.runs or [])
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        else:
+            runs.append((start, count))
+        self.runs = runs  # a new list: a fork's copy never shares it
+
     def append(self, k: TurboCode, v: TurboCode, start: int, n: int) -> None:
-        self.runs = (self.runs or []) + [(start, n)]
+        self.add_run(start, n)
         self.buffer = None  # the codes are concatenated: compact again
         if self.keys is None:
             self.keys, self.values, self.n = k, v, n
@@ -195,7 +205,7 @@ class TurboSegment:
 
     def filled(self, start: int, count: int) -> None:
         """``count`` tokens from index ``start`` were written into the buffer after the ``n`` held."""
-        self.runs = (self.runs or []) + [(start, count)]
+        self.add_run(start, count)
         self.n += count
         self.keys, self.values = (self.buffer.select(i).tokens(0, self.n) for i in (0, 1))
 
