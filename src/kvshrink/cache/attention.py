@@ -32,6 +32,11 @@ class Partial:
     out: torch.Tensor
     lse: torch.Tensor
 
+    @classmethod
+    def from_grouped(cls, out: torch.Tensor, lse: torch.Tensor, num_q_heads: int) -> "Partial":
+        """The partial of grouped results ``out [B, H_kv, G*q, d]``, ``lse [B, H_kv, G*q]`` (see `group_queries`)."""
+        return cls(ungroup(out, num_q_heads), ungroup(lse, num_q_heads))
+
 
 def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``[B, H_q, q, d]`` -> ``[B, H_kv, G*q, d]`` (the G query heads of a KV head stacked)."""
@@ -123,7 +128,7 @@ def self_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     qg = group_queries(query.float(), key.shape[1])                          # [B, H_kv, G, d]
     lse = (qg @ key.float().transpose(-1, -2)).squeeze(-1) * scaling         # [B, H_kv, G]
     out = value.float().expand(*qg.shape)
-    return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+    return Partial.from_grouped(out, lse, query.shape[1])
 
 
 def _cpu_flash_available(query: torch.Tensor) -> bool:
@@ -150,12 +155,12 @@ def _flash_partial(query, key, value, scaling, mask) -> Partial:
                                                                           scale=scaling)
     out, lse = out.float(), lse.float()
     if mask is None and k.shape[2]:  # every row sees every key: none is empty (and no host sync to find out)
-        return Partial(ungroup(out, hq), ungroup(lse, hq))
+        return Partial.from_grouped(out, lse, hq)
     empty = ~torch.isfinite(lse)
     if bool(empty.any()):  # rows that see no token: empty softmax, contributes nothing when merged
         out = out.masked_fill(empty[..., None], 0.0)
         lse = lse.masked_fill(empty, float("-inf"))
-    return Partial(ungroup(out, hq), ungroup(lse, hq))
+    return Partial.from_grouped(out, lse, hq)
 
 
 def _matmul_partial(query, key, value, scaling, mask, return_probs):

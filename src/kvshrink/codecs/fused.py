@@ -42,8 +42,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "exact_attention", "exact_supported",
-           "int8_attention", "merge_partials", "set_bit_positions", "turbo_attention", "turbo_supported",
+__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "exact_attention", "int8_attention",
+           "merge_partials", "set_bit_positions", "turbo_attention", "turbo_supported",
            "nearest_codewords", "warm_up"]
 
 # Tokens whose coefficients and keys are held at once (their keys stay in the core's cache: ~0.8 MB for
@@ -853,15 +853,10 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
-def exact_supported(dtype: torch.dtype) -> bool:
-    """Whether `exact_attention` reads keys and values of ``dtype`` (numba imported; float32, float16, bfloat16)."""
-    return available() and dtype in (torch.float32, torch.float16, torch.bfloat16)
-
-
 def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of grouped ``query [B, H_kv, R, d]`` (float32, CPU) over ``keys/values [B, H_kv, m, d]`` (float32
-    or float16; bfloat16 converted by torch), every one visible: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``, one
+    """Attention of grouped ``query [B, H_kv, R, d]`` (float32, CPU) over ``keys/values [B, H_kv, m, d]`` (any float
+    dtype; bfloat16 converted by torch, the others by numpy), every one visible: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``, one
     pass per head (a decode step's few dozen exact tokens: no attention kernel's setup, no host sync)."""
     b, h, rows, d = query.shape
     out = np.empty((b, h, rows, d), np.float32)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials, ungroup
+from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import fused
@@ -19,8 +19,7 @@ from kvshrink.codecs.table_decoder import RunLayout, SlotPlan, TableDecoder, run
 from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
-from kvshrink.methods.shard.salient import (SalientTokens, observed_importance, pick_salient, salient_partials,
-                                            tokens_to_keep)
+from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
 from kvshrink.methods.shard.segments import BasisFactors, EvictedTokens, MiddleBlock, TurboSegment, stack_scopes
 from kvshrink.methods.shard.shared import ShardShared
 
@@ -200,32 +199,21 @@ class ShardLayer(CacheLayer):
         if inside:
             ring.put(key, value)
         salient = [block.salient for block in self.middle if block.salient is not None]
-        # the CPU fast path reads 8-bit salient codes in one numba pass per block (decoding them with torch ops
-        # was ~0.2 ms a layer); otherwise on CPU the salient tokens are attended with the ring's in one call (a
-        # few dozen rows per block: one kernel and one partial fewer per block); the GPU path reads their 8-bit
-        # codes in its kernel
-        coded = [tokens for tokens in salient if tokens.coded] if self.on_cpu_fast_path(query) else []
-        salient = [tokens for tokens in salient if not any(tokens is c for c in coded)]
-        together = bool(salient) and not backend.gpu_path(query)
-        extra = [tokens.key_values(ring.dtype) for tokens in salient] if together else []
-        fast = self.on_cpu_fast_path(query) and fused.exact_supported(ring.dtype)
+        # 8-bit salient codes are read in place (the GPU path's kernel; on the CPU fast path one numba pass per
+        # block, not a dozen torch ops decoding them); on CPU the others are attended with the
+        # ring's tokens in one call (a few dozen rows per block: one kernel and one partial fewer per block)
+        gpu, fast = backend.gpu_path(query), self.on_cpu_fast_path(query)
+        together = [] if gpu else [tokens for tokens in salient if not (fast and tokens.coded)]
+        apart = salient if gpu else [tokens for tokens in salient if fast and tokens.coded]
+        extra = [tokens.key_values(ring.dtype) for tokens in together]
         parts = [part for part in (ring.partial(query, ctx.scaling, extra, fast),) if part is not None]
         if not inside:
             parts.append(self._chunk_partial(query, key, value, ctx))
-        if not together:
-            parts += salient_partials(query, salient, ctx.scaling, ring.dtype)
-        parts += [self.int8_partial(query, tokens, ctx.scaling, ring.dtype) for tokens in coded]
+        parts += salient_partials(query, apart, ctx.scaling, ring.dtype, fast)
         out = self.merge(parts + self.code_partials(query, ctx), query.dtype)
         self.decoding = True
         self.ring_commit(ring, None if inside else (key, value))
         return out.transpose(1, 2).contiguous()
-
-    def int8_partial(self, query: torch.Tensor, tokens: SalientTokens, scaling: float, dtype: torch.dtype) -> Partial:
-        """The partial of salient tokens held as 8-bit codes, from `fused.int8_attention` (decoded as
-        `SalientTokens.key_values(dtype)` decodes them)."""
-        out, lse = fused.int8_attention(group_queries(query.float(), self.h_kv), tokens.keys, tokens.values,
-                                        scaling, dtype)
-        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
 
     def merge(self, parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
         """`merge_partials`' output in ``dtype``: on the CPU fast path one numba pass (`fused.merge_partials`)."""
@@ -394,7 +382,7 @@ class ShardLayer(CacheLayer):
             [code.codes for code in block.keys], layout, scaled, mean, cos_t, sin_t, qg, ctx.scaling, hidden,
             block.v_codes, int(math.log2(k_entries)), self.d // group, halves=True, rows=rows)
         out = fused.bin_values(bins, block.v_codebook, block.v_scale, self.shared.rotation.matrix(bins.device))
-        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+        return Partial.from_grouped(out, lse, query.shape[1])
 
     def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
         """The block's partial from the Triton kernels (`kernels.shard_code_attention.block_attention`): the
@@ -412,7 +400,7 @@ class ShardLayer(CacheLayer):
         parts = [sca.block_attention(inputs, cos, sin, qg[:, :, start:start + step], ctx.scaling, rotation)
                  for start in range(0, r, step)]
         out, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in zip(*parts))
-        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+        return Partial.from_grouped(out, lse, query.shape[1])
 
     def block_inputs(self, block: MiddleBlock):
         """The block's `kernels.shard_code_attention.BlockInputs`, built on first use and kept on the block
@@ -480,7 +468,7 @@ class ShardLayer(CacheLayer):
                 scores.masked_fill_(hidden[..., start:stop], float("-inf"))
             probs, lse = _softmax_part(scores)
             out = self.middle_values(block, probs, start, stop)
-            parts.append(Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1])))
+            parts.append(Partial.from_grouped(out, lse, query.shape[1]))
         return parts
 
     def stream_partial(self, query: torch.Tensor, scaling: float) -> Partial:
@@ -491,14 +479,14 @@ class ShardLayer(CacheLayer):
 
             out, lse = turbo_attention(turbo, group_queries(query, self.h_kv), self.stream.keys, self.stream.values,
                                        scaling)
-            return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+            return Partial.from_grouped(out, lse, query.shape[1])
         qg = group_queries(query.float(), self.h_kv)
         if self.use_fast_kernel(query) and fused.turbo_supported(turbo):
             out, lse = fused.turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling)
-            return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+            return Partial.from_grouped(out, lse, query.shape[1])
         probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
         out = turbo.weighted_sum(probs, self.stream.values)
-        return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+        return Partial.from_grouped(out, lse, query.shape[1])
 
     # ---- storing ---------------------------------------------------------------------------------------
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:

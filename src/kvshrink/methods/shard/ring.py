@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial, group_queries, ungroup
+from kvshrink.cache.attention import Partial, exact_partial, group_queries
 from kvshrink.cache.store import ExactStore, check_storage
 from kvshrink.codecs import fused
 from kvshrink.kernels.backend import gpu_path, triton_available
@@ -84,7 +84,7 @@ class ExactRing:
             return None
         if fast:
             out, lse = fused.exact_attention(group_queries(query.float(), keys.shape[1]), keys, values, scaling)
-            return Partial(ungroup(out, query.shape[1]), ungroup(lse, query.shape[1]))
+            return Partial.from_grouped(out, lse, query.shape[1])
         return exact_partial(query, keys, values, scaling)
 
     def _window_positions(self) -> torch.Tensor:

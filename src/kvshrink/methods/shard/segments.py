@@ -175,7 +175,7 @@ class TurboSegment:
             runs[-1] = (runs[-1][0], runs[-1][1] + count)
         else:
             runs.append((start, count))
-        self.runs = runs  # a new list: a fork's copy never shares it
+        self.runs = runs
 
     def append(self, k: TurboCode, v: TurboCode, start: int, n: int) -> None:
         self.add_run(start, n)
