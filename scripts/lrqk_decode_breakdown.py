@@ -2,7 +2,8 @@
 full's attention, prefilled once each and decoded interleaved. Usage:
     PYTHONPATH=src .venv/bin/python scripts/lrqk_decode_breakdown.py LENGTH STEPS THREADS lrqk [EXTRA_SPEC...]
 (docs/pending/issue13-lrqk-results.md). The timers add a little time of their own; nested phases overlap."""
-import sys, time, collections, functools, torch
+import os, sys, time, collections, functools, torch
+CLOCK = time.perf_counter if os.environ.get("WALL") else time.process_time  # WALL=1: wall clock
 from kvshrink.eval.backend import KVShrinkBackend
 from kvshrink.eval.tasks import TokenCorpus
 from kvshrink.eval.engine import prefill, _step
@@ -18,7 +19,7 @@ def timed(obj, name, label=None):
     @functools.wraps(f)
     def w(*a, **k):
         if not on[0]: return f(*a, **k)
-        t = time.process_time(); r = f(*a, **k); acc[CUR[0] + ":" + (label or name)] += time.process_time() - t; cnt[CUR[0] + ":" + (label or name)] += 1; return r
+        t = CLOCK(); r = f(*a, **k); acc[CUR[0] + ":" + (label or name)] += CLOCK() - t; cnt[CUR[0] + ":" + (label or name)] += 1; return r
     setattr(obj, name, w)
 for n in ["_update_factor_vectors_fast", "_resident_sums", "_resident_attention", "_select_and_fill", "_update_factor_vectors", "_resident_rows", "_select", "_slot_partial", "_topk_partial", "_decode_partials", "commit", "past_partials"]:
     if hasattr(L.LRQKLayer, n): timed(L.LRQKLayer, n, "layer." + n)
@@ -43,7 +44,7 @@ with torch.no_grad():
         for s in caches:
             nxt = int(logits[s][0].argmax())
             on[0] = i > 0; CUR[0] = s
-            t = time.process_time(); logits[s] = _step(model, caches[s], torch.tensor([[nxt]])); times[s].append(time.process_time() - t)
+            t = CLOCK(); logits[s] = _step(model, caches[s], torch.tensor([[nxt]])); times[s].append(CLOCK() - t)
             on[0] = False
 med = {s: sorted(v[1:])[len(v[1:])//2] * 1000 for s, v in times.items()}
 print(f"len {length}: full {med['full']:.1f} ms, lrqk {med[WHO]:.1f} ms, speed ratio {med['full']/med[WHO]:.2f}x")

@@ -10,7 +10,7 @@ from conftest import greedy, left_pad, prompts, tiny_model
 
 import kvshrink
 from kvshrink.cache.rowwise import one_row_layers
-from kvshrink.codecs import lowrank_fused
+from kvshrink.codecs import fused, lowrank_fused
 from kvshrink.codecs.lowrank import decode_factor_vectors, line_search_basis_step
 from kvshrink.methods.lrqk_tiers import SlotTier, SlowTier
 
@@ -106,11 +106,15 @@ def test_resident_sums_made_in_the_kernel_equal_the_gathered_ones(copies, window
         rhs.append((q[i] @ keys.T) @ a)
     want = lowrank_fused.decode_step(q, k, b_q, b_k, torch.stack(lhs), torch.stack(rhs), 1.0, True)
     given = factors.clone(), slot_keys.clone()
-    got = lowrank_fused.resident_decode_step(q, k, b_q.clone(), b_k.clone(), factors, token, chosen, slot_keys,
-                                             win_keys, tokens - window, copies, 1.0, True)
+    runs = []
+    for _ in fused.each_kernel_variant():   # the serial kernel, then the heads shared among threads
+        runs.append(lowrank_fused.resident_decode_step(q, k, b_q.clone(), b_k.clone(), factors, token, chosen,
+                                                       slot_keys, win_keys, tokens - window, copies, 1.0, True))
     assert torch.equal(factors, given[0]) and torch.equal(slot_keys, given[1])
-    for a, b in zip(got, want):
+    for a, b in zip(runs[0], want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
@@ -280,3 +284,53 @@ def test_unpadded_row_attends_without_a_mask_once_the_slots_hold_only_the_select
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     for key in ("selected_rows", "missed_rows", "bytes_moved", "fast_tier_bytes"):
         assert caches["fast"].stats()[key] == caches["reference"].stats()[key], key
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.parametrize("padded", [False, True])
+def test_proxy_selection_in_one_pass_equals_softmax_sum_and_topk(padded):
+    """`lowrank_fused.proxy_top_k` (the CPU fast path's selection) against the torch ops it replaces: scaled
+    logits, padding hidden, softmax per query row, mass summed per KV row, `top_k_in_token_order`. The same
+    tokens in the same (token) order and masses within float32 rounding, with both kernel variants; a KV row
+    whose candidates are all padding gets no mass."""
+    from kvshrink.methods.lrqk import top_k_in_token_order
+
+    g = torch.Generator().manual_seed(3)
+    kv_rows, per_row, n, k, scaling = 4, 6, 300, 37, 0.125
+    logits = torch.randn(kv_rows * per_row, n, generator=g) * 20
+    first = torch.tensor([0, 5, 299, 300]) if padded else None
+    hidden = logits.clone()
+    if padded:
+        hidden[(torch.arange(n)[None, :] < first.repeat_interleave(per_row)[:, None])] = float("-inf")
+    mass = torch.softmax(hidden * scaling, dim=-1).nan_to_num(0.0).view(kv_rows, per_row, n).sum(1)
+    want_mass, want = top_k_in_token_order(mass, k)
+    runs = []
+    for _ in fused.each_kernel_variant():
+        runs.append(lowrank_fused.proxy_top_k(logits.clone(), scaling, first, kv_rows, k))
+    for selected, top_mass, all_mass in runs:
+        torch.testing.assert_close(all_mass, mass, rtol=1e-5, atol=1e-7)
+        assert torch.equal(selected[:2], want[:2])
+        if padded:   # one visible candidate: it, then the first of the tied others (torch takes any)
+            assert 299 in selected[2].tolist() and selected[2, :k - 1].tolist() == list(range(k - 1))
+        else:
+            assert torch.equal(selected, want)
+        assert bool((selected.diff(dim=1) > 0).all())
+        torch.testing.assert_close(top_mass, all_mass.gather(1, selected), rtol=0, atol=0)
+    if padded:   # no candidate visible: no mass, and the first k tokens (ties, by index)
+        assert float(runs[0][2][3].abs().sum()) == 0 and torch.equal(runs[0][0][3], torch.arange(k))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+def test_proxy_selection_ranks_ties_by_token_and_nan_first():
+    """Ties with the k-th value are taken by token order; a NaN logit gives its candidate no mass (the softmax's
+    exp is 0 for it; torch's softmax would make the whole row NaN); k equal to the candidates takes them all."""
+    logits = torch.zeros(1, 6)     # equal logits: every candidate has the same mass
+    selected, _, _ = lowrank_fused.proxy_top_k(logits.clone(), 1.0, None, 1, 3)
+    assert selected.tolist() == [[0, 1, 2]]
+    logits = torch.tensor([[0.0, 1.0, float("nan"), 2.0, 0.5]])
+    selected, _, mass = lowrank_fused.proxy_top_k(logits.clone(), 1.0, None, 1, 2)
+    assert float(mass[0, 2]) == 0 and selected.tolist() == [[1, 3]]
+    selected, _, _ = lowrank_fused.proxy_top_k(torch.randn(2, 4), 1.0, None, 1, 4)
+    assert selected.tolist() == [[0, 1, 2, 3]]

@@ -756,10 +756,22 @@ def _use_threads() -> bool:
     return _threads_usable
 
 
-def _scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A float32 scratch tensor of ``shape``, the calling thread's, reused from call to call (grown when too
-    small): a slice's coefficients and keys are written in memory already mapped and warm, not in a fresh
-    allocation each slice."""
+def each_kernel_variant():
+    """``for parallel in each_kernel_variant(): f()`` runs ``f`` with the serial kernels, then with their
+    parallel variants, whatever the threads (the warm-ups compile both)."""
+    global _threads_forced
+    try:
+        for forced in (False, True):
+            _threads_forced = forced
+            yield forced
+    finally:
+        _threads_forced = None
+
+
+def scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 scratch tensor of ``shape``, the calling thread's, reused by the next call of the same ``name``
+    (grown when too small): per-step operands are written in memory already mapped and warm, not in a fresh
+    allocation (above glibc's mmap threshold, one that is mapped and faulted in page by page every time)."""
     buffers = getattr(_WORKSPACE, "buffers", None)
     if buffers is None:
         buffers = _WORKSPACE.buffers = {}
@@ -815,7 +827,7 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
     q4 = q4.reshape(batch, heads, groups, 4, d)
     positions = _NO_ROWS if rows is None else _numpy(rows.long())
     c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
-    scores = _scratch("scores", (batch, heads, n_rows, n)).numpy()
+    scores = scratch("scores", (batch, heads, n_rows, n)).numpy()
     bins = np.zeros((batch, heads, n_groups << v_bits, groups * 4), np.float32)
     lut = byte_levels(layout.level_kind, layout.widths)
     lut64 = lut.view(np.int64)                       # a byte's levels as 8-byte words
@@ -825,12 +837,12 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
     value_bins = _value_bins_parallel if parallel else _value_bins
     for first in range(0, n, _SLICE):
         m = min(_SLICE, n - first)
-        levels = _scratch("levels", (n_scopes, batch, m, rank + _SPARE + rank % 2))
+        levels = scratch("levels", (n_scopes, batch, m, rank + _SPARE + rank % 2))
         for s, (code, out) in enumerate(zip(scopes, levels.numpy())):
             for b in range(batch):
                 decode_levels(code[b], layout.runs[s], layout.run_counts[s], lut, lut64, first, out[b],
                                out[b].view(np.int64))
-        keys_t = _scratch("keys", (n_scopes, basis_t.shape[1], batch * m))
+        keys_t = scratch("keys", (n_scopes, basis_t.shape[1], batch * m))
         torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2), out=keys_t)
         block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)
     if hidden is not None and hidden.shape[-1]:
@@ -1012,15 +1024,10 @@ def warm_up() -> None:
 
     code = PCACode(mean=torch.zeros(2), basis_q=torch.zeros(2, 4, dtype=torch.int8), basis_scale=torch.ones(4),
                    coeff_step=torch.ones(4), codes=torch.zeros(1, 2, 1, dtype=torch.uint8), runs=[(2, 0, 4, 0, 1)])
-    global _threads_forced
-    for forced in (False, True):  # the serial kernels and their parallel variants alike
-        _threads_forced = forced
-        try:
-            code_attention(code.codes.unsqueeze(1), run_layout([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
-                           torch.ones(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, 1, 2), 1.0, None,
-                           torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1, rows=torch.arange(2))
-        finally:
-            _threads_forced = None
+    for _ in each_kernel_variant():
+        code_attention(code.codes.unsqueeze(1), run_layout([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
+                       torch.ones(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, 1, 2), 1.0, None,
+                       torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1, rows=torch.arange(2))
     bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))
     merge_partials([torch.zeros(1, 1, 1, 2)] * 2, [torch.zeros(1, 1, 1)] * 2)
     for dtype in (torch.float32, torch.float16):

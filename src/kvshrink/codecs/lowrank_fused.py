@@ -21,7 +21,7 @@ import torch
 
 from kvshrink.codecs import fused
 
-__all__ = ["available", "decode_step", "resident_decode_step", "warm_up"]
+__all__ = ["available", "decode_step", "proxy_top_k", "resident_decode_step", "warm_up"]
 
 _RIDGE = 1e-9          # lowrank._ridge_solve's relative ridge
 _TINY = 1e-30
@@ -34,7 +34,9 @@ def available() -> bool:
 
 
 if fused.available():
-    from numba import njit
+    from numba import njit, prange
+
+    from kvshrink.codecs.fused import _softmax_rows
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _ridge_solve(lhs, rhs):  # pragma: no cover - compiled
@@ -135,49 +137,54 @@ if fused.available():
         step = num / max(denom, _TINY) if denom > 0 else 0.0
         return basis - step * grad
 
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _head_step(n, q, k, b_q, b_k, res_lhs, res_rhs, lam, iters, update_bases, q_hat, k_hat):  # pragma: no cover
+        """One factor head ``n`` of ``_decode_step`` (``res_lhs [r, r]``, ``res_rhs [G, r]``: its resident sums)."""
+        g_rows = q.shape[1]
+        r = b_q.shape[1]
+        qn = q[n].astype(np.float64)
+        kn = k[n:n + 1].astype(np.float64)                       # [1, d]
+        bq = b_q[n].astype(np.float64)
+        bk = b_k[n].astype(np.float64)
+        bq_gram = _gram(bq)
+        bk_gram = _gram(bk)
+        qk = _rows_times_rows_t(qn, kn)[:, 0]                   # [G] exact q·k
+        rhs_base = lam * _rows_times_rows_t(qn, bq) + res_rhs.astype(np.float64)   # [G, r]
+        lhs_base = lam * bq_gram + res_lhs.astype(np.float64)
+        bk_k = _rows_times_rows_t(bk, kn)                          # [r, 1]
+        kh = _ridge_solve(bk_gram, bk_k)[:, 0].copy()
+        qh = np.zeros((g_rows, r))
+        lhs = np.empty((r, r))
+        rhs_t = np.empty((r, g_rows))                              # [r, G]: the solve's right-hand sides
+        lhs_k = np.empty((r, r))
+        rhs_k = np.empty((r, 1))
+        for _ in range(iters):
+            for i in range(r):
+                for j in range(r):
+                    lhs[i, j] = lhs_base[i, j] + kh[i] * kh[j]
+                for g in range(g_rows):
+                    rhs_t[i, g] = rhs_base[g, i] + qk[g] * kh[i]
+            qh = _ridge_solve(lhs, rhs_t).T.copy()
+            for i in range(r):
+                rhs_k[i, 0] = lam * bk_k[i, 0]
+                for j in range(r):
+                    lhs_k[i, j] = lam * bk_gram[i, j]
+            for g in range(g_rows):
+                for i in range(r):
+                    rhs_k[i, 0] += qk[g] * qh[g, i]
+                    for j in range(r):
+                        lhs_k[i, j] += qh[g, i] * qh[g, j]
+            kh = _ridge_solve(lhs_k, rhs_k)[:, 0].copy()
+        q_hat[n] = qh
+        k_hat[n] = kh
+        if update_bases:
+            b_q[n] = _line_search(bq, qh, qn).astype(np.float32)
+            b_k[n] = _line_search(bk, kh.reshape(1, r), kn).astype(np.float32)
+
     @njit(cache=True, fastmath=_FASTMATH)
     def _decode_step(q, k, b_q, b_k, res_lhs, res_rhs, lam, iters, update_bases, q_hat, k_hat):  # pragma: no cover
-        n_heads, g_rows, _ = q.shape
-        r = b_q.shape[1]
-        for n in range(n_heads):
-            qn = q[n].astype(np.float64)
-            kn = k[n:n + 1].astype(np.float64)                       # [1, d]
-            bq = b_q[n].astype(np.float64)
-            bk = b_k[n].astype(np.float64)
-            bq_gram = _gram(bq)
-            bk_gram = _gram(bk)
-            qk = _rows_times_rows_t(qn, kn)[:, 0]                   # [G] exact q·k
-            rhs_base = lam * _rows_times_rows_t(qn, bq) + res_rhs[n].astype(np.float64)   # [G, r]
-            lhs_base = lam * bq_gram + res_lhs[n].astype(np.float64)
-            bk_k = _rows_times_rows_t(bk, kn)                          # [r, 1]
-            kh = _ridge_solve(bk_gram, bk_k)[:, 0].copy()
-            qh = np.zeros((g_rows, r))
-            lhs = np.empty((r, r))
-            rhs_t = np.empty((r, g_rows))                              # [r, G]: the solve's right-hand sides
-            lhs_k = np.empty((r, r))
-            rhs_k = np.empty((r, 1))
-            for _ in range(iters):
-                for i in range(r):
-                    for j in range(r):
-                        lhs[i, j] = lhs_base[i, j] + kh[i] * kh[j]
-                    for g in range(g_rows):
-                        rhs_t[i, g] = rhs_base[g, i] + qk[g] * kh[i]
-                qh = _ridge_solve(lhs, rhs_t).T.copy()
-                for i in range(r):
-                    rhs_k[i, 0] = lam * bk_k[i, 0]
-                    for j in range(r):
-                        lhs_k[i, j] = lam * bk_gram[i, j]
-                for g in range(g_rows):
-                    for i in range(r):
-                        rhs_k[i, 0] += qk[g] * qh[g, i]
-                        for j in range(r):
-                            lhs_k[i, j] += qh[g, i] * qh[g, j]
-                kh = _ridge_solve(lhs_k, rhs_k)[:, 0].copy()
-            q_hat[n] = qh
-            k_hat[n] = kh
-            if update_bases:
-                b_q[n] = _line_search(bq, qh, qn).astype(np.float32)
-                b_k[n] = _line_search(bk, kh.reshape(1, r), kn).astype(np.float32)
+        for n in range(q.shape[0]):
+            _head_step(n, q, k, b_q, b_k, res_lhs[n], res_rhs[n], lam, iters, update_bases, q_hat, k_hat)
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _take_resident(q, a, key, column, a_t, scores):  # pragma: no cover - compiled
@@ -191,46 +198,143 @@ if fused.available():
                 s += q[g, t] * key[t]
             scores[g, column] = s
 
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _resident_sums(q, factors, slot_token, slot_chosen, slot_keys, win_keys, win_start, h):  # pragma: no cover
+        """``AᵀA [r, r]`` and ``(q·Kᵀ)A [G, r]`` of one factor head (queries ``q [G, d]``, factor rows ``factors
+        [n, r]``) over its KV row ``h``'s resident tokens: the slots chosen last step and the window (factor rows
+        ``win_start..``). The rows are laid out along tokens first (``a_t [r, n]``, ``scores [G, n]``) so both sums
+        are dot products along tokens (vectorised), float32 as the torch path's products."""
+        g_rows, r = q.shape[0], factors.shape[1]
+        n_slots, n_win = slot_token.shape[1], win_keys.shape[1]
+        lhs = np.empty((r, r), np.float32)
+        rhs = np.empty((g_rows, r), np.float32)
+        a_t = np.empty((r, n_slots + n_win), np.float32)
+        scores = np.empty((g_rows, n_slots + n_win), np.float32)
+        m = 0
+        for s in range(n_slots):
+            t = slot_token[h, s]
+            if slot_chosen[h, s] and t >= 0:
+                _take_resident(q, factors[t], slot_keys[h, s], m, a_t, scores)
+                m += 1
+        for w in range(n_win):
+            _take_resident(q, factors[win_start + w], win_keys[h, w], m, a_t, scores)
+            m += 1
+        for i in range(r):
+            for j in range(i, r):
+                acc = np.float32(0.0)
+                for c in range(m):
+                    acc += a_t[i, c] * a_t[j, c]
+                lhs[i, j] = acc
+                lhs[j, i] = acc
+        for g in range(g_rows):
+            for i in range(r):
+                acc = np.float32(0.0)
+                for c in range(m):
+                    acc += scores[g, c] * a_t[i, c]
+                rhs[g, i] = acc
+        return lhs, rhs
+
     @njit(cache=True, fastmath=_FASTMATH)
     def _resident_decode_step(q, k, b_q, b_k, factors, slot_token, slot_chosen, slot_keys, win_keys, win_start,
                               copies, lam, iters, update_bases, q_hat, k_hat):  # pragma: no cover - compiled
-        """``_decode_step`` with the resident sums made here: over the slots chosen last step and the window
-        (factor rows ``win_start..`` of ``factors``), factor head ``n`` reading KV row ``n // copies``. The
-        resident rows are laid out along tokens first (``a_t [r, n]``, ``scores [G, n]``) so both sums are
-        dot products along tokens (vectorised), float32 as the torch path's products."""
-        n_heads, g_rows, _ = q.shape
-        r = factors.shape[2]
-        n_slots, n_win = slot_token.shape[1], win_keys.shape[1]
-        lhs = np.empty((n_heads, r, r), np.float32)
-        rhs = np.empty((n_heads, g_rows, r), np.float32)
-        a_t = np.empty((r, n_slots + n_win), np.float32)
-        scores = np.empty((g_rows, n_slots + n_win), np.float32)
-        for n in range(n_heads):
-            h = n // copies
-            m = 0
-            for s in range(n_slots):
-                t = slot_token[h, s]
-                if slot_chosen[h, s] and t >= 0:
-                    _take_resident(q[n], factors[n, t], slot_keys[h, s], m, a_t, scores)
-                    m += 1
-            for w in range(n_win):
-                _take_resident(q[n], factors[n, win_start + w], win_keys[h, w], m, a_t, scores)
-                m += 1
-            for i in range(r):
-                for j in range(i, r):
-                    acc = np.float32(0.0)
-                    for c in range(m):
-                        acc += a_t[i, c] * a_t[j, c]
-                    lhs[n, i, j] = acc
-                    lhs[n, j, i] = acc
-            for g in range(g_rows):
-                for i in range(r):
-                    acc = np.float32(0.0)
-                    for c in range(m):
-                        acc += scores[g, c] * a_t[i, c]
-                    rhs[n, g, i] = acc
-        _decode_step(q, k, b_q, b_k, lhs, rhs, lam, iters, update_bases, q_hat, k_hat)
+        """``_decode_step`` with each head's resident sums (``_resident_sums``) made here; factor head ``n``
+        reads KV row ``n // copies``."""
+        for n in range(q.shape[0]):
+            lhs, rhs = _resident_sums(q[n], factors[n], slot_token, slot_chosen, slot_keys, win_keys, win_start,
+                                      n // copies)
+            _head_step(n, q, k, b_q, b_k, lhs, rhs, lam, iters, update_bases, q_hat, k_hat)
 
+    @njit(cache=True, fastmath=_FASTMATH, parallel=True)
+    def _resident_decode_step_parallel(q, k, b_q, b_k, factors, slot_token, slot_chosen, slot_keys, win_keys,
+                                       win_start, copies, lam, iters, update_bases, q_hat,
+                                       k_hat):  # pragma: no cover - compiled
+        """``_resident_decode_step`` with the factor heads shared among numba's threads (each head's work is
+        independent: the same numbers as the serial kernel)."""
+        for n in prange(q.shape[0]):
+            lhs, rhs = _resident_sums(q[n], factors[n], slot_token, slot_chosen, slot_keys, win_keys, win_start,
+                                      n // copies)
+            _head_step(n, q, k, b_q, b_k, lhs, rhs, lam, iters, update_bases, q_hat, k_hat)
+
+    @njit(cache=True)
+    def _ranked(mass):  # pragma: no cover - compiled
+        """``mass`` with NaN as +inf: the order ``_top_k`` ranks by (``torch.topk`` takes NaN as the largest)."""
+        a = mass.copy()
+        for i in range(a.shape[0]):
+            if a[i] != a[i]:
+                a[i] = np.inf
+        return a
+
+    @njit(cache=True)
+    def _kth_largest(a, k):  # pragma: no cover - compiled
+        """The ``k``-th largest value of ``a`` (no NaN; reordered in place): quickselect with a median-of-three
+        pivot (numba's ``np.partition`` takes about twice as long on a decode step's ~2K candidates)."""
+        lo, hi, want = 0, a.shape[0] - 1, a.shape[0] - k       # its index in ascending order
+        while lo < hi:
+            x, y, z = a[lo], a[(lo + hi) >> 1], a[hi]
+            pivot = max(min(x, y), min(max(x, y), z))
+            i, j = lo, hi
+            while i <= j:
+                while a[i] < pivot:
+                    i += 1
+                while a[j] > pivot:
+                    j -= 1
+                if i <= j:
+                    a[i], a[j] = a[j], a[i]
+                    i += 1
+                    j -= 1
+            if want <= j:
+                hi = j
+            elif want >= i:
+                lo = i
+            else:
+                break
+        return a[want]
+
+    @njit(cache=True)
+    def _top_k(mass, k, selected, top_mass):  # pragma: no cover - compiled
+        """The ``k`` largest of ``mass [n]`` (NaN ranked as +inf; of values tied with the k-th, the first ones):
+        their indices into ``selected [k]`` in index order, their values into ``top_mass [k]``."""
+        ranked = _ranked(mass)
+        kth = _kth_largest(ranked.copy(), k)
+        ties = k
+        for t in range(mass.shape[0]):
+            ties -= ranked[t] > kth
+        c = 0
+        for t in range(mass.shape[0]):
+            v = ranked[t]
+            if v > kth or (v == kth and ties > 0):
+                ties -= v == kth
+                selected[c] = t
+                c += 1
+        for j in range(k):
+            top_mass[j] = mass[selected[j]]
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _proxy_top_k_row(h, logits, scaling, first, rows_per_kv, k, selected, top_mass, mass):  # pragma: no cover
+        rows = logits[h * rows_per_kv: (h + 1) * rows_per_kv]
+        for i in range(rows_per_kv):
+            for t in range(rows.shape[1]):
+                rows[i, t] = rows[i, t] * scaling if t >= first[h] else -np.inf
+        _softmax_rows(rows, np.empty(rows_per_kv, np.float32))      # a row with every candidate hidden: zeros
+        mass[h] = 0.0
+        for i in range(rows_per_kv):
+            for t in range(rows.shape[1]):
+                mass[h, t] += rows[i, t]
+        _top_k(mass[h], k, selected[h], top_mass[h])
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _proxy_top_k(logits, scaling, first, rows_per_kv, k, selected, top_mass, mass):  # pragma: no cover
+        """Per KV row ``h``: the softmax of its query rows' proxy logits ``logits [H·rows_per_kv, n]`` (scaled, the
+        candidates before ``first[h]`` hidden as padding; in place), summed over those rows into ``mass [H, n]``,
+        and its ``k`` largest (``_top_k``)."""
+        for h in range(mass.shape[0]):
+            _proxy_top_k_row(h, logits, scaling, first, rows_per_kv, k, selected, top_mass, mass)
+
+    @njit(cache=True, fastmath=_FASTMATH, parallel=True)
+    def _proxy_top_k_parallel(logits, scaling, first, rows_per_kv, k, selected, top_mass, mass):  # pragma: no cover
+        """``_proxy_top_k`` with the KV rows shared among numba's threads (the same numbers)."""
+        for h in prange(mass.shape[0]):
+            _proxy_top_k_row(h, logits, scaling, first, rows_per_kv, k, selected, top_mass, mass)
 
 def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor,
                 resident_lhs: torch.Tensor, resident_rhs: torch.Tensor, lam: float, update_bases: bool,
@@ -273,13 +377,38 @@ def resident_decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tens
     q_hat = np.empty((n, g, r))
     k_hat = np.empty((n, r))
     new_b_q, new_b_k = (b if _is_kernel_basis(b) else _basis_copy(b) for b in (b_q, b_k))
-    _resident_decode_step(_array(query), _array(key), new_b_q.numpy(), new_b_k.numpy(), _array(factors),
-                          slot_token.contiguous().numpy(), slot_chosen.contiguous().numpy(), _array(slot_keys),
-                          _array(window_keys), int(window_start), int(copies), float(lam), int(iters),
-                          bool(update_bases), q_hat, k_hat)
+    kernel = _resident_decode_step_parallel if fused._use_threads() else _resident_decode_step
+    kernel(_array(query), _array(key), new_b_q.numpy(), new_b_k.numpy(), _array(factors),
+           slot_token.contiguous().numpy(), slot_chosen.contiguous().numpy(), _floats("lrqk slot keys", slot_keys),
+           _floats("lrqk window keys", window_keys), int(window_start), int(copies), float(lam), int(iters), bool(update_bases), q_hat,
+           k_hat)
     if not update_bases:
         new_b_q, new_b_k = b_q, b_k
     return torch.from_numpy(q_hat), torch.from_numpy(k_hat), new_b_q, new_b_k
+
+
+def proxy_top_k(logits: torch.Tensor, scaling: float, first: torch.Tensor | None, kv_rows: int, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LRQK's selection from its proxy logits in one pass: ``logits [kv_rows·m, n]`` (float32, CPU; the ``m``
+    query rows of each KV row together, unscaled, overwritten) scaled, the candidates before ``first [kv_rows]``
+    hidden (left padding; None: none), softmaxed per row, summed per KV row into its estimated mass, and the
+    ``k`` largest taken. Returns ``(selected [kv_rows, k] int64, top_mass [kv_rows, k], mass [kv_rows, n])``: what
+    ``softmax``, ``sum`` and ``lrqk.top_k_in_token_order`` give, up to float rounding and which of values tied
+    with the k-th are taken (the first here); a NaN logit gives its candidate no mass (torch's softmax would
+    give the whole row NaN)."""
+    n = logits.shape[1]
+    starts = np.zeros(kv_rows, np.int64) if first is None else _numpy_long(first)
+    selected = np.empty((kv_rows, k), np.int64)
+    top_mass = np.empty((kv_rows, k), np.float32)
+    mass = np.empty((kv_rows, n), np.float32)
+    kernel = _proxy_top_k_parallel if fused._use_threads() else _proxy_top_k
+    kernel(fused._numpy(logits), np.float32(scaling), starts, logits.shape[0] // kv_rows, int(k), selected, top_mass,
+           mass)
+    return torch.from_numpy(selected), torch.from_numpy(top_mass), torch.from_numpy(mass)
+
+
+def _numpy_long(x: torch.Tensor) -> np.ndarray:
+    return x.detach().long().contiguous().numpy()
 
 
 def _is_kernel_basis(b: torch.Tensor) -> bool:
@@ -294,12 +423,22 @@ def _array(x: torch.Tensor) -> np.ndarray:
     return x.detach().float().contiguous().numpy()
 
 
+def _floats(name: str, x: torch.Tensor) -> np.ndarray:
+    """``x`` as float32 numpy: itself if it is, else converted into the scratch buffer ``name`` (a few hundred KB
+    per layer and step: a fresh allocation of that size is mapped and faulted in page by page)."""
+    if x.dtype == torch.float32:
+        return fused._numpy(x)
+    return fused.scratch(name, tuple(x.shape)).copy_(x).numpy()
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernel now, on a tiny input."""
     if not available():
         return
     b = torch.eye(2, 4).unsqueeze(0)
     decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b, b, torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), 1.0, True)
-    resident_decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b.clone(), b.clone(), torch.ones(1, 3, 2),
-                         torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 1, 4),
-                         torch.ones(1, 1, 4), 1, 1, 1.0, True)
+    for _ in fused.each_kernel_variant():
+        proxy_top_k(torch.zeros(2, 3), 1.0, None, 1, 2)
+        resident_decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b.clone(), b.clone(), torch.ones(1, 3, 2),
+                             torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
+                             torch.ones(1, 1, 4), torch.ones(1, 1, 4), 1, 1, 1.0, True)

@@ -45,7 +45,7 @@ from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
-from kvshrink.codecs import lowrank_fused
+from kvshrink.codecs import fused, lowrank_fused
 from kvshrink.kernels.backend import gpu_path, triton_available
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
@@ -285,7 +285,7 @@ class LRQKLayer(CacheLayer):
                                              self.a_k.view(b * f, cap, self.rank), candidates, ctx.scaling, first)
                 if self.copies > 1:
                     mass = mass.view(rows, self.copies, candidates).sum(1)
-                top_mass, selected = torch.topk(mass, min(self.top_k, candidates), dim=-1, sorted=False)
+                top_mass, selected = top_k_in_token_order(mass, min(self.top_k, candidates))
             prefetched, ahead = self._take_prefetch(), None
             extra = min(self.extra, candidates - selected.shape[1])
             if self.prefetch_on and extra > 0:     # the best-ranked tokens outside this step's top-k
@@ -385,7 +385,8 @@ class LRQKLayer(CacheLayer):
             q_hat, k_hat = factor_step(q, k, self.b_q, self.b_k, self.a_k.view(b * f, -1, self.rank),
                                        *self._residents(d), self.copies, self.lam, self.update_bases)
         elif compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
-            self._step_factors = self.a_k.float()     # read again by this step's proxy scores
+            # read again by this step's proxy scores; a scratch buffer, not a fresh allocation each layer and step
+            self._step_factors = fused.scratch("lrqk factors", tuple(self.a_k.shape)).copy_(self.a_k)
             q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.resident_decode_step(
                 q, k, self.b_q, self.b_k, self._step_factors.view(b * f, -1, self.rank), *self._residents(d),
                 self.copies, self.lam, self.update_bases)
@@ -479,11 +480,17 @@ class LRQKLayer(CacheLayer):
             keys, _ = self.slow.read_range(0, candidates)            # [B·H_kv, n, d]
             keys = self._factor_keys(keys.reshape(b, hkv, candidates, -1)).float()
             q = self._factor_queries(self._query).float()            # [B, F, G/c, d]
-            logits = (q @ keys.to(q.device).transpose(-1, -2)) * ctx.scaling
+            logits = q @ keys.to(q.device).transpose(-1, -2)
         else:
             factors = getattr(self, "_step_factors", None)
             a = (self.a_k if factors is None else factors)[:, :, :candidates].float()   # [B, F, n, r]
-            logits = (self._q_hat.float() @ a.transpose(-1, -2)) * ctx.scaling   # [B, F, G/c, n]
+            logits = self._q_hat.float() @ a.transpose(-1, -2)                        # [B, F, G/c, n]
+        k = min(self.top_k, candidates)
+        if self.fast and logits.device.type == "cpu" and lowrank_fused.available():
+            first = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
+            return lowrank_fused.proxy_top_k(logits.reshape(b * hkv * logits.shape[2] * f // hkv, candidates),
+                                             ctx.scaling, first, b * hkv, k)
+        logits = logits * ctx.scaling
         if ctx.pad_len is not None:
             pad = torch.arange(candidates, device=logits.device)[None, :] < ctx.pad_len.to(logits.device)[:, None]
             logits = logits.masked_fill(pad[:, None, None, :], float("-inf"))
@@ -491,8 +498,7 @@ class LRQKLayer(CacheLayer):
         if ctx.pad_len is not None:      # a row whose candidates are all padding: NaN -> no mass
             mass = mass.nan_to_num(0.0)
         mass = mass.reshape(b, hkv, -1, candidates).sum(dim=2)     # [B, H_kv, n]
-        k = min(self.top_k, candidates)
-        top_mass, top_idx = torch.topk(mass, k, dim=-1, sorted=False)
+        top_mass, top_idx = top_k_in_token_order(mass, k)
         return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k), mass.reshape(b * hkv, candidates)
 
     def _topk_partial(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> Partial:
@@ -539,16 +545,17 @@ class LRQKLayer(CacheLayer):
         rows, device = b * hkv, self.slots.keys.device
         slots = candidates > 0
         n_win = self.win_k.shape[2] if self.win_k is not None else 0
-        keys = self._resident_rows_in(query.dtype, self.slots.keys if slots else None, self.win_k, key)
-        values = self._resident_rows_in(query.dtype, self.slots.values if slots else None, self.win_v, value)
+        keys = self._resident_rows_in("lrqk keys", query.dtype, self.slots.keys if slots else None, self.win_k, key)
+        values = self._resident_rows_in("lrqk values", query.dtype, self.slots.values if slots else None, self.win_v,
+                                        value)
         visible = None if self._every_key_visible(ctx, candidates) else self._visible_keys(ctx, slots, n_win)
         folded_q = query.reshape(rows, hq // hkv, q, d).to(device)
         out = F.scaled_dot_product_attention(folded_q, keys.unsqueeze(1), values.unsqueeze(1), attn_mask=visible,
                                              scale=ctx.scaling, enable_gqa=True)
         return out.reshape(b, hq, q, d).to(query.device)
 
-    def _resident_rows_in(self, dtype: torch.dtype, slot_rows: torch.Tensor | None, window: torch.Tensor | None,
-                          new: torch.Tensor) -> torch.Tensor:
+    def _resident_rows_in(self, name: str, dtype: torch.dtype, slot_rows: torch.Tensor | None,
+                          window: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """``[rows, S + W + 1, d]`` in ``dtype``: the slots' rows (if given), the window's and the new token's,
         each copied once into place (a ``cat`` of the stored dtype and the new token's converts twice and
         takes a slow mixed-dtype path)."""
@@ -556,7 +563,10 @@ class LRQKLayer(CacheLayer):
         parts = ([slot_rows] if slot_rows is not None else []) + \
             ([window.reshape(rows, -1, d)] if window is not None and window.shape[2] else [])
         parts.append(new.reshape(rows, 1, d))
-        out = torch.empty(rows, sum(p.shape[1] for p in parts), d, dtype=dtype, device=self.slots.keys.device)
+        shape = (rows, sum(p.shape[1] for p in parts), d)
+        device = self.slots.keys.device
+        out = fused.scratch(name, shape) if dtype == torch.float32 and device.type == "cpu" else \
+            torch.empty(shape, dtype=dtype, device=device)
         start = 0
         for part in parts:
             out[:, start: start + part.shape[1]].copy_(part)
@@ -720,6 +730,15 @@ class LRQKLayer(CacheLayer):
 
     def stats(self) -> dict[str, float]:
         return layer_stats(self.counters, self.step_log, self.nbytes(), self.slow_tier_bytes())
+
+
+def top_k_in_token_order(mass: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(mass, k)`` along the last dim with the selection in token order: which slot a missing token
+    takes follows this order, and LRU's later evictions follow the slots, so every path orders it the same
+    way (``sorted=False`` leaves the order to the device's kernel)."""
+    top_mass, selected = torch.topk(mass, k, dim=-1, sorted=False)
+    selected, order = selected.sort(dim=-1)
+    return top_mass.gather(-1, order), selected
 
 
 def _kernel_basis(basis: torch.Tensor) -> torch.Tensor:
