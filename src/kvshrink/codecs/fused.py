@@ -768,17 +768,28 @@ def each_kernel_variant():
         _threads_forced = None
 
 
+_VIEWS_KEPT = 256    # scratch views kept by (name, shape): a model's layers ask for a few shapes each step
+
+
 def scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A float32 scratch tensor of ``shape``, the calling thread's, reused by the next call of the same ``name``
     (grown when too small): per-step operands are written in memory already mapped and warm, not in a fresh
     allocation (above glibc's mmap threshold, one that is mapped and faulted in page by page every time)."""
-    buffers = getattr(_WORKSPACE, "buffers", None)
-    if buffers is None:
-        buffers = _WORKSPACE.buffers = {}
+    try:
+        return _WORKSPACE.views[name, shape]     # the common case: the shape of the last call (one dict lookup)
+    except (AttributeError, KeyError):
+        pass
+    if not hasattr(_WORKSPACE, "views"):
+        _WORKSPACE.buffers, _WORKSPACE.views = {}, {}
+    buffers = _WORKSPACE.buffers
     numel = math.prod(shape)
     if name not in buffers or buffers[name].numel() < numel:
         buffers[name] = torch.empty(numel)
-    return buffers[name][:numel].view(shape)
+        _WORKSPACE.views = {key: v for key, v in _WORKSPACE.views.items() if key[0] != name}   # their memory is gone
+    view = buffers[name][:numel].view(shape)
+    if len(_WORKSPACE.views) < _VIEWS_KEPT:
+        _WORKSPACE.views[name, shape] = view
+    return view
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:

@@ -420,7 +420,7 @@ def _basis_copy(b: torch.Tensor) -> torch.Tensor:
 
 
 def _array(x: torch.Tensor) -> np.ndarray:
-    return x.detach().float().contiguous().numpy()
+    return fused._numpy(x if x.dtype == torch.float32 else x.float())
 
 
 def _floats(name: str, x: torch.Tensor) -> np.ndarray:

@@ -70,6 +70,7 @@ class SlowTier:
         self._lock = threading.Lock()
         self._inflight = None    # CUDA event after an asynchronous append (GPU path), until the stream syncs
         self._staging: torch.Tensor | None = None   # pinned rows for the GPU path's fills (gather_to)
+        self._words = None    # (data, its numpy words): copy_rows_to's view, made again when data is replaced
 
     # ---- storage ---------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> torch.Tensor:
@@ -139,23 +140,28 @@ class SlowTier:
             self._check_rows(row, token, picked)
         return picked
 
-    def copy_rows_to(self, row: torch.Tensor, token: torch.Tensor, flat: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor) -> bool:
-        """``keys[flat[i]]`` and ``values[flat[i]]`` (host ``[n, d]`` tensors) take the K and V of rows
+    def _data_words(self) -> np.ndarray:
+        """The held rows as numpy unsigned words (no copy), kept while ``data`` is the same tensor (three calls
+        per layer and step less)."""
+        if self._words is None or self._words[0] is not self._data:
+            self._words = (self._data, _uint_view(self._data, _SAME_SIZE_UINT[self._data.element_size()]))
+        return self._words[1]
+
+    def copy_rows_to(self, row: torch.Tensor, token: torch.Tensor, flat: torch.Tensor, keys: np.ndarray,
+                     values: np.ndarray, slot_dtype: torch.dtype) -> bool:
+        """``keys[flat[i]]`` and ``values[flat[i]]`` (``[n, d]`` numpy unsigned words of the slots, of ``slot_dtype``) take the K and V of rows
         ``(row[i], token[i])`` in one compiled pass, converted to their dtype: the same rows and values as
         ``gather`` then ``to_storage`` and an ``index_copy_``, including its float16 overflow error. Runs
         where it can (numba, host rows of 2- or 4-byte words, the destination of the same dtype or float16
         from float32, no per-row checks of a subclass); returns False, having copied nothing, elsewhere."""
-        narrow = self.dtype == torch.float32 and keys.dtype == torch.float16
-        if not (fused.available() and (narrow or keys.dtype == self.dtype) and self.data.device.type == "cpu"
+        narrow = self.dtype == torch.float32 and slot_dtype == torch.float16
+        if not (fused.available() and (narrow or slot_dtype == self.dtype) and self.data.device.type == "cpu"
                 and self.data.element_size() in _SAME_SIZE_UINT and type(self)._check_rows is SlowTier._check_rows):
             return False
         with self._lock:
             self._settle()
-            words = _SAME_SIZE_UINT[self.data.element_size()]
-            slot_words = _SAME_SIZE_UINT[keys.element_size()]
-            largest, _ = _copy_rows(_uint_view(self.data, words), row.numpy(), token.numpy(), flat.numpy(),
-                                 _uint_view(keys, slot_words), _uint_view(values, slot_words), narrow)
+            largest, _ = _copy_rows(self._data_words(), row.numpy(), token.numpy(), flat.numpy(), keys, values,
+                                    narrow)
         if narrow and _F32_FP16_OVERFLOW_BITS <= largest <= _F32_INF_BITS:
             check_fp16_peak(float(np.array(largest, dtype=np.uint32).view(np.float32)))
         return True
@@ -206,7 +212,7 @@ class SlowTier:
             if self._data is not None:
                 self._check(0, self.length)
             self._settle()
-            state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_inflight", "_staging")}
+            state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_inflight", "_staging", "_words")}
             state["_data"] = None if self._data is None else self._data[: self.length].clone()
         return state
 
@@ -215,6 +221,7 @@ class SlowTier:
         self._lock = threading.Lock()
         self._inflight = None
         self._staging = None
+        self._words = None
 
     # ---- hooks for the disk tier -----------------------------------------------------------------
     def _after_write(self, start: int, stop: int) -> None:
@@ -450,10 +457,23 @@ class SlotTier:
         and written in the slots' dtype in one compiled pass (no gathered copy, no separate conversion and
         scatter), where it can run: host rows of the slots' dtype, or float32 rows into float16 slots (the
         overflow check made on the words copied). Returns False (nothing copied) elsewhere."""
-        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.keys.device.type == "cpu"):
+        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.keys.device.type == "cpu"
+                and self.keys.element_size() in _SAME_SIZE_UINT):
             return False
-        d = self.keys.shape[-1]
-        return slow.copy_rows_to(row_idx, tokens, flat, self.keys.view(-1, d), self.values.view(-1, d))
+        return slow.copy_rows_to(row_idx, tokens, flat, *self._slot_words(), self.keys.dtype)
+
+    def _slot_words(self) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values ``[rows·capacity, d]`` as numpy unsigned words (no copy), kept while they are the same
+        tensors (not saved: a copy or a loaded cache makes its own)."""
+        words = getattr(self, "_words", None)
+        if words is None or words[0] is not self.keys or words[1] is not self.values:
+            d, unsigned = self.keys.shape[-1], _SAME_SIZE_UINT[self.keys.element_size()]
+            words = self._words = (self.keys, self.values, _uint_view(self.keys.view(-1, d), unsigned),
+                                   _uint_view(self.values.view(-1, d), unsigned))
+        return words[2], words[3]
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_words"}
 
     def _write_rows(self, flat: torch.Tensor, fill: torch.Tensor) -> None:
         """Slot ``flat[i]`` (``row * capacity + slot``) takes K ``fill[i, 0]`` and V ``fill[i, 1]`` (the
