@@ -334,3 +334,61 @@ def test_proxy_selection_ranks_ties_by_token_and_nan_first():
     assert float(mass[0, 2]) == 0 and selected.tolist() == [[1, 3]]
     selected, _, _ = lowrank_fused.proxy_top_k(torch.randn(2, 4), 1.0, None, 1, 4)
     assert selected.tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.parametrize("planted", [None, 65504.0, 65510.0, -7e4, float("inf"), float("nan"), "factor"])
+def test_a_decode_token_enters_the_float16_window_as_torch_stores_it(planted):
+    """`shift_in_narrowed` (the CPU fast path's commit) against the torch path's: the window one token down with
+    the new one last, rounded as `.to(float16)`, the key factors likewise into their column; a value beyond
+    float16's range (or a factor) refused as `to_storage` refuses it, with nothing written; a NaN let through as
+    it lets it through."""
+    from kvshrink.cache.store import to_storage
+    from kvshrink.methods.lrqk_tiers import WindowWords, shift_in_narrowed
+
+    g = torch.Generator().manual_seed(5)
+    b, h, w, d, f, cap, r = 1, 3, 5, 8, 3, 6, 4
+    win_k, win_v = (torch.randn(b, h, w, d, generator=g).half() for _ in range(2))
+    a_k = torch.randn(b, f, cap, r, generator=g).half()
+    key, value = torch.randn(b, h, 1, d, generator=g) * 300, torch.randn(b, h, 1, d, generator=g)
+    factors = torch.randn(b * f, r, generator=g, dtype=torch.float64) * 70
+    if planted == "factor":
+        factors[2, 1] = 7e4
+    elif planted is not None:
+        key[0, 1, 0, 3] = planted
+    try:
+        want = [torch.cat([x[:, :, 1:], to_storage(new, torch.float16)], 2) for x, new in ((win_k, key), (win_v, value))]
+        want.append(a_k.clone())
+        want[2][:, :, 4] = to_storage(factors, torch.float16).view(b, f, r)
+    except ValueError as err:
+        want = err
+    given = win_k.clone(), win_v.clone(), a_k.clone()
+    words = WindowWords().of(win_k, win_v, a_k)
+    args = key.view(h, d).numpy(), value.view(h, d).numpy(), factors.numpy(), words, 4
+    if isinstance(want, ValueError):
+        with pytest.raises(ValueError, match="beyond float16"):
+            shift_in_narrowed(*args)
+        assert torch.equal(win_k, given[0]) and torch.equal(win_v, given[1]) and torch.equal(a_k, given[2])
+    else:
+        shift_in_narrowed(*args)
+        for got, ref in zip((win_k, win_v, a_k), want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+    assert WindowWords().of(win_k.float(), win_v, a_k) is None        # not float16 words: the torch path runs
+
+
+@pytest.mark.parametrize("kernel", ["reference", "fast"])
+def test_a_decode_key_beyond_float16_is_refused_by_the_window(kernel):
+    """A float32 model whose decode keys leave float16's range (a layer's key projection scaled up after the
+    prompt) with the float16 window of slot_dtype='auto' (float32 factors: the window alone narrows this step's
+    token): a clear error on both paths, not an inf in the window."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))
+    ids, mask = left_pad(prompts([40]))
+    cache = kvshrink.make_cache("lrqk", model, kernel=kernel, top_k=8, window=4, factor_dtype="float32")
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model.model.layers[1].self_attn.k_proj.weight.mul_(1e7)
+        with pytest.raises(ValueError, match="beyond float16"):
+            model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, mask[:, :1]], 1),
+                  past_key_values=cache, use_cache=True)

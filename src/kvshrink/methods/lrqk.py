@@ -72,6 +72,8 @@ from kvshrink.methods.lrqk_tiers import (
     SlowTier,
     deferred_to_storage,
     make_slow_tier,
+    WindowWords,
+    shift_in_narrowed,
     state_tensors,
     warm_up_fill_planner,
 )
@@ -203,6 +205,7 @@ class LRQKLayer(CacheLayer):
         self._step_factors: torch.Tensor | None = None   # a decode step's float32 key factors (fast CPU path)
         self._prefetched = None
         self._overflow: torch.Tensor | None = None    # GPU path: deferred float16 range checks
+        self._window_words = WindowWords()            # the compiled commit's views of win_k, win_v, a_k
         self.counters = new_counters()
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
@@ -636,8 +639,42 @@ class LRQKLayer(CacheLayer):
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
         self._ensure_tiers(key)
         gpu = ctx.q_len == 1 and self._query is not None and self._on_gpu_path(self._query)
+        if not gpu and self._commit_compiled(key, value, ctx):
+            pass
+        else:
+            self._commit_torch(key, value, ctx, gpu)
+        self._query = None
+        self._k_hat = None
+        self._step_factors = None   # a_k has changed
+
+    def _commit_compiled(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> bool:
+        """A CPU decode step's token stored in one compiled pass where it can (a full float16 window, float16
+        factors with room for one more, float32 K/V: the defaults on a float32 model): the window shifted and
+        the key factors written, checked for float16's range first; then the slow tier's row. False, having
+        stored nothing, elsewhere."""
+        if not (self.fast and ctx.q_len == 1 and self.b_k is not None and self._k_hat is not None
+                and self.window and self.win_k is not None and self.win_k.shape[2] == self.window
+                and self.a_len < self.a_k.shape[2] and key.dtype == value.dtype == torch.float32
+                and key.device.type == "cpu" and lowrank_fused.available()):
+            return False
+        if not hasattr(self, "_window_words"):     # a layer saved before the compiled commit
+            self._window_words = WindowWords()
+        words = self._window_words.of(self.win_k, self.win_v, self.a_k)
+        if words is None:
+            return False
+        rows, d, r = self.slots.rows, key.shape[-1], self.rank
+        k_hat = self._k_hat if self._k_hat.dtype == torch.float64 else self._k_hat.double()
+        shift_in_narrowed(fused._numpy(key).reshape(rows, d), fused._numpy(value).reshape(rows, d),
+                          fused._numpy(k_hat).reshape(-1, r), words, self.a_len)
+        self.a_len += 1
+        if self.counters["decode_steps"] > 0:
+            self.gram_q = self.gram_k = None      # as _append_factors: prefill is over
+        self.slow.append(key, value)
+        return True
+
+    def _commit_torch(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext, gpu: bool) -> None:
         self.slow.append(key, value, non_blocking=gpu)
-        self._update_window(key, value)
+        self._update_window(key, value, getattr(self, "_overflow", None) if gpu else None)
         if ctx.q_len > 1 or self.b_k is None:
             self._accumulate_grams(self._query, key, ctx)
             self._refit()
@@ -645,15 +682,14 @@ class LRQKLayer(CacheLayer):
             self._append_factors(deferred_to_storage(self._k_hat, self.factor_dtype, self._overflow).unsqueeze(2))
         else:
             self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
-        self._query = None
-        self._k_hat = None
-        self._step_factors = None   # a_k has changed
 
-    def _update_window(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _update_window(self, key: torch.Tensor, value: torch.Tensor, overflow: torch.Tensor | None = None) -> None:
+        """The window takes the newest tokens in the slots' dtype (checked for float16's range as every stored
+        row is; on the GPU path or-ed into ``overflow`` and raised at the next miss transfer)."""
         if self.window == 0:
             return
         device, dtype = self.slots.keys.device, self.slots.keys.dtype
-        k, v = key.to(device, dtype), value.to(device, dtype)
+        k, v = (deferred_to_storage(x[:, :, -self.window:].to(device), dtype, overflow) for x in (key, value))
         if self.win_k is not None:
             # only the rows that stay are concatenated: the result is the new window, with no second copy
             stay = max(0, min(self.win_k.shape[2], self.window - k.shape[2]))

@@ -718,6 +718,32 @@ if fused.available():
         return largest
 
     @njit(cache=True)
+    def _shift_in_narrowed(key, value, win_k, win_v, factors, a_words, column):  # pragma: no cover - compiled
+        """A decode token into float16 storage, or nothing when a value is beyond float16's range: each row of
+        the windows ``win_k/win_v [R, W, d]`` (float16 words) moves one token down and takes ``key/value [R, d]``
+        (float32) last; ``a_words[:, column] [F, r]`` (float16 words) takes ``factors [F, r]`` (rounded to float32
+        first). Returns the largest float32 word without its sign (from ``_F32_FP16_OVERFLOW_BITS`` to
+        ``_F32_INF_BITS``: overflow, nothing written; a NaN's passes, as ``store.to_storage`` lets it)."""
+        words = (key.view(np.uint32), value.view(np.uint32), factors.astype(np.float32).view(np.uint32))
+        largest = 0
+        for x in words:
+            for i in range(x.shape[0]):
+                for j in range(x.shape[1]):
+                    largest = max(largest, np.int64(x[i, j]) & 0x7FFFFFFF)
+        if _F32_FP16_OVERFLOW_BITS <= largest <= _F32_INF_BITS:
+            return largest
+        last = win_k.shape[1] - 1
+        for r in range(win_k.shape[0]):
+            for w in range(last):
+                win_k[r, w] = win_k[r, w + 1]
+                win_v[r, w] = win_v[r, w + 1]
+            _narrow_row(words[0][r], win_k[r, last])
+            _narrow_row(words[1][r], win_v[r, last])
+        for f in range(a_words.shape[0]):
+            _narrow_row(words[2][f], a_words[f, column])
+        return largest
+
+    @njit(cache=True)
     def _touch_rows(bits, row_idx, tokens, flat, keys, values):  # pragma: no cover - compiled
         """Read one word of every cache line ``_copy_rows`` will read or write, first: rows scattered over the slow
         tier are far apart in memory, and loads with no work between them are in flight together (the copy's
@@ -774,6 +800,41 @@ def _uint_view(t: torch.Tensor, unsigned) -> np.ndarray:
     return t.view(_SAME_SIZE_INT[t.element_size()]).numpy().view(unsigned)
 
 
+class WindowWords:
+    """Numpy float16 words of a layer's windows and key factors (no copy), made again when a tensor is replaced:
+    what ``shift_in_narrowed`` writes in place, without three views made per layer and step."""
+
+    def __init__(self):
+        self._of: tuple = ()
+
+    def of(self, win_k: torch.Tensor, win_v: torch.Tensor, a_k: torch.Tensor) -> tuple | None:
+        """``(win_k [R, W, d], win_v, a_k [B·F, capacity, r])`` as uint16, or None unless all are contiguous float16
+        CPU tensors."""
+        held = self._of
+        if held and held[0] is win_k and held[1] is win_v and held[2] is a_k:
+            return held[3]
+        if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in (win_k, win_v, a_k)):
+            return None
+        rows, d = win_k.shape[0] * win_k.shape[1], win_k.shape[-1]
+        words = (_uint_view(win_k.view(rows, -1, d), np.uint16), _uint_view(win_v.view(rows, -1, d), np.uint16),
+                 _uint_view(a_k.view(-1, a_k.shape[2], a_k.shape[3]), np.uint16))
+        self._of = (win_k, win_v, a_k, words)
+        return words
+
+    def __getstate__(self) -> dict:
+        return {"_of": ()}    # views of this object's tensors: a copy makes its own
+
+
+def shift_in_narrowed(key: np.ndarray, value: np.ndarray, factors: np.ndarray, words: tuple, column: int) -> None:
+    """A decode token's float32 ``key/value [R, d]`` shifted into the float16 windows (``words``: `WindowWords.of`; in
+    place, the oldest token out) and its key factors ``factors [F, r]`` (float64) written into column ``column`` of
+    the float16 factors, in one compiled pass; ValueError, with nothing written, when a value is beyond float16's
+    range (as ``store.to_storage``)."""
+    largest = _shift_in_narrowed(key, value, words[0], words[1], factors, words[2], column)
+    if _F32_FP16_OVERFLOW_BITS <= largest <= _F32_INF_BITS:
+        check_fp16_peak(float(np.array(largest, dtype=np.uint32).view(np.float32)))
+
+
 def warm_up_fill_planner() -> None:
     """Compile (or load from numba's cache) the fill planner now, on a tiny input."""
     if fused.available():
@@ -783,6 +844,9 @@ def warm_up_fill_planner() -> None:
                                           (np.uint16, np.uint16, False)):
             _copy_rows(np.zeros((1, 1, 2, 1), words), np.zeros(1, np.int64), np.zeros(1, np.int64),
                        np.zeros(1, np.int64), np.zeros((1, 1), slot_words), np.zeros((1, 1), slot_words), narrow)
+        half = torch.zeros(1, 1, 1, 1, dtype=torch.float16)
+        shift_in_narrowed(np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), np.zeros((1, 1)),
+                          WindowWords().of(half, half.clone(), half.clone()), 0)
         for bits in (np.int16, np.int32):    # float16/bfloat16 and float32 slots
             _scatter_rows(np.zeros((1, 1), bits), np.zeros((1, 1), bits), np.zeros(1, np.int64),
                           np.zeros((1, 2, 1), bits))
