@@ -337,3 +337,40 @@ def test_the_one_pass_stream_encode_equals_turbo_encode(dim, bits):
     assert torch.equal(codes[..., 3:5, :], want.codes)
     assert torch.equal(norm[..., 3:5].view(torch.int16), want.norm.view(torch.int16))
     assert not codes[..., :3, :].any() and not codes[..., 5:, :].any() and not norm[..., 5:].any()
+
+
+@pytest.mark.parametrize("planted", [None, 65504.0, 65520.0, -1e5, float("inf"), float("nan"), "nan in the ring"])
+def test_the_one_pass_ring_step_equals_pop_encode_and_put(planted):
+    """`fused.ring_step` (a full ring's decode commit on the CPU fast path) against what it replaces: the slot's
+    token coded by `turbo_encode_into` into the stream, then the new token stored in the slot as `.to(float16)`
+    rounds it. The same codes, norms and ring, bit for bit; a new value beyond float16's range refused with
+    nothing changed (its magnitude returned); a NaN let through as `to_storage` lets it through."""
+    from kvshrink.cache.store import to_storage
+    from kvshrink.codecs.lloyd_max import TurboQuantizer
+
+    turbo = TurboQuantizer(64, 2, seed=1)
+    g = torch.Generator().manual_seed(8)
+    kv = (torch.randn(2, 1, 3, 6, 64, generator=g) * 3).half()
+    key, value = torch.randn(1, 3, 1, 64, generator=g) * 100, torch.randn(1, 3, 1, 64, generator=g)
+    if planted == "nan in the ring":
+        kv[1, 0, 2, 4, 7] = float("nan")
+    elif planted is not None:
+        key[0, 1, 0, 9] = planted
+    codes, norm = torch.zeros(2, 1, 3, 5, 16, dtype=torch.uint8), torch.zeros(2, 1, 3, 5, dtype=torch.float16)
+    want_kv, want_codes, want_norm = kv.clone(), codes.clone(), norm.clone()
+    try:
+        new = torch.stack([to_storage(key, torch.float16), to_storage(value, torch.float16)])
+        fused.turbo_encode_into(turbo, want_kv[:, :, :, 4:5], want_codes, want_norm, 2)
+        want_kv[:, :, :, 4:5] = new
+        refused = False
+    except ValueError:
+        refused = True
+    given = kv.clone()
+    peak = fused.ring_step(turbo, fused.ring_words(kv), 4, key, value, *fused.stream_words(codes, norm), 2)
+    assert (peak is not None) == refused
+    if refused:
+        assert peak == abs(planted) and torch.equal(kv.view(torch.int16), given.view(torch.int16))
+        assert not codes.any() and not norm.any()
+    else:
+        assert torch.equal(kv.view(torch.int16), want_kv.view(torch.int16))
+        assert torch.equal(codes, want_codes) and torch.equal(norm.view(torch.int16), want_norm.view(torch.int16))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -561,6 +562,54 @@ if numba is not None:
             r += 1
         return sign | r
 
+    @njit(cache=True, fastmath=True)
+    def narrow_row(src, dst):  # pragma: no cover - compiled
+        """``dst`` (float16 words) from ``src`` (float32 words): every word by the normal-range formula in one
+        vectorised pass, then word by word (``half_bits``) if any lies outside that range (zeros, subnormals,
+        overflow, inf, NaN: rare in keys and values). Returns the largest word without its sign."""
+        largest = 0
+        outside = False
+        for t in range(src.shape[0]):
+            x = np.int64(src[t])
+            a = x & 0x7FFFFFFF
+            largest = max(largest, a)
+            outside |= (a < 0x38800000) | (a >= 0x477FF000)
+            dst[t] = ((x >> 16) & 0x8000) | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
+        if outside:
+            for t in range(src.shape[0]):
+                dst[t] = half_bits(np.int64(src[t]))
+        return largest
+
+    @njit(cache=True)
+    def _ring_step(kv, slot, key, value, pow2, rotation_t, bounds, bits, codes, norm_words, at):  # pragma: no cover
+        # A full ring's decode step: the token in ``slot`` of ``kv [2, R, S, d]`` (float16 words) TurboQuant-coded
+        # into token ``at`` of the stream (``codes [2R, cap, bytes]``, ``norm_words [2R, cap]``, rows keys then
+        # values, as `_turbo_encode`), then the new ``key/value [R, d]`` (float32) narrowed into that slot; nothing
+        # done when a new value is beyond float16's range. Returns the largest float32 word read, without sign.
+        words = (key.view(np.uint32), value.view(np.uint32))
+        largest = 0
+        for x in words:
+            for i in range(x.shape[0]):
+                for j in range(x.shape[1]):
+                    largest = max(largest, np.int64(x[i, j]) & 0x7FFFFFFF)
+        if _F32_FP16_OVERFLOW <= largest <= _F32_INF:
+            return largest
+        rows, d = key.shape
+        leaving = np.empty((2 * rows, 1, d), np.float32)
+        for i in range(2):
+            for r in range(rows):
+                for e in range(d):
+                    w = kv[i, r, slot, e]
+                    if (w & 0x7C00) == 0x7C00:     # inf or NaN (the ring's put lets a NaN in)
+                        leaving[i * rows + r, 0, e] = np.nan if w & 0x3FF else (-np.inf if w & 0x8000 else np.inf)
+                    else:
+                        leaving[i * rows + r, 0, e] = _half_value(w, pow2)
+        _turbo_encode(leaving, rotation_t, bounds, bits, codes, norm_words, at)
+        for i in range(2):
+            for r in range(rows):
+                narrow_row(words[i][r], kv[i, r, slot])
+        return largest
+
     @njit(cache=True, fastmath=_FASTMATH)
     def _turbo_encode(x, rotation_t, bounds, bits, codes, norm_words, at):  # pragma: no cover - compiled
         # rows x [M, n, d] (float32) -> TurboQuant codes written into tokens at .. at+n-1 of codes [M, cap, bytes]
@@ -892,6 +941,9 @@ def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
+# float32 +inf's bits, and the smallest float32 bits beyond float16's largest value (65504)
+_F32_INF = 0x7F800000
+_F32_FP16_OVERFLOW = int(np.array(65504.0, dtype=np.float32).view(np.uint32)) + 1
 _HALF_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], np.float32)
 _SPLIT = {torch.float16: 2.0 ** 13 + 1, torch.bfloat16: 2.0 ** 16 + 1}
 
@@ -967,11 +1019,70 @@ def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.T
     boundary (summation order)."""
     *lead, n, d = x.shape
     rows = x.numel() // max(1, n * d)
-    _, bounds, _, _ = turbo._tables(x.device)
-    rotation_t = turbo.rotation.matrix(x.device, torch.float32).T
-    norm_words = norm.view(torch.int16).view(rows, -1).numpy().view(np.uint16)
-    _turbo_encode(_numpy(x.float().reshape(rows, n, d)), _numpy(rotation_t), _numpy(bounds), turbo.bits,
-                  codes.view(rows, *codes.shape[-2:]).numpy(), norm_words, at)
+    rotation_t, bounds = turbo_encoder_tables(turbo)
+    codes_out, norm_words = stream_words(codes, norm)
+    _turbo_encode(_numpy(x.float().reshape(rows, n, d)), rotation_t, bounds, turbo.bits, codes_out, norm_words, at)
+
+
+def ring_step(turbo, kv: np.ndarray, slot: int, key: torch.Tensor, value: torch.Tensor, codes: np.ndarray,
+              norm: np.ndarray, at: int) -> float | None:
+    """A full ring's decode step on CPU in one pass: the key and value in ``slot`` of the ring ``kv`` (`ring_words`)
+    coded by ``turbo`` (`turbo_supported`) into token ``at`` of the stream's ``codes`` and ``norm`` (`stream_words`;
+    as `turbo_encode_into` codes them), then the new float32 ``key/value [B, H, 1, d]`` stored in the slot, rounded
+    as ``.to(float16)``. Returns None when done; when a new value is beyond float16's range, its magnitude, having
+    changed nothing."""
+    rows, d = kv.shape[1], key.shape[-1]
+    rotation_t, bounds = turbo_encoder_tables(turbo)
+    largest = _ring_step(kv, slot, _numpy(key).reshape(rows, d), _numpy(value).reshape(rows, d), _HALF_POW2,
+                         rotation_t, bounds, turbo.bits, codes, norm, at)
+    if _F32_FP16_OVERFLOW <= largest <= _F32_INF:
+        return float(np.array(largest, dtype=np.uint32).view(np.float32))
+    return None
+
+
+def ring_words(kv: torch.Tensor) -> np.ndarray:
+    """A float16 ring buffer ``kv [2, B, H, S, d]`` (contiguous) as numpy words ``[2, B·H, S, d]`` (no copy)."""
+    return kv.view(torch.int16).numpy().view(np.uint16).reshape(2, -1, kv.shape[-2], kv.shape[-1])
+
+
+def stream_words(codes: torch.Tensor, norm: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A stream buffer's ``codes [2, B, H, cap, bytes]`` and float16 ``norm [2, B, H, cap]`` as numpy ``[2·B·H, cap,
+    bytes]`` and words ``[2·B·H, cap]`` (no copy): what `ring_step` and `_turbo_encode` write."""
+    return (codes.view(-1, *codes.shape[-2:]).numpy(),
+            norm.view(torch.int16).numpy().view(np.uint16).reshape(-1, norm.shape[-1]))
+
+
+def turbo_encoder_tables(turbo) -> tuple[np.ndarray, np.ndarray]:
+    """``turbo``'s rotation transposed and its level boundaries as float32 numpy: what the CPU encoders read (kept
+    while ``turbo`` lives; not on it, so never saved with it)."""
+    held = _ENCODER_TABLES.get(turbo)
+    if held is None:
+        _, bounds, _, _ = turbo._tables("cpu")
+        held = _ENCODER_TABLES[turbo] = (turbo.rotation.matrix("cpu", torch.float32).T.contiguous().numpy(),
+                                         bounds.numpy().copy())
+    return held
+
+
+_ENCODER_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class NumpyViews:
+    """Numpy views (no copy) of tensors that stay the same objects from step to step, each made again when its
+    tensor is replaced: a view costs a few calls per layer and decode step otherwise. Never saved or copied
+    (a copy makes its own)."""
+
+    def __init__(self):
+        self._held: dict = {}
+
+    def get(self, name: str, tensor: torch.Tensor, make):
+        """``make(tensor)``, kept under ``name`` while ``tensor`` is the same object."""
+        held = self._held.get(name)
+        if held is None or held[0] is not tensor:
+            held = self._held[name] = (tensor, make(tensor))
+        return held[1]
+
+    def __getstate__(self) -> dict:
+        return {"_held": {}}
 
 
 def nearest_codewords(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:

@@ -622,7 +622,7 @@ class SlotTier:
 if fused.available():
     from numba import njit
 
-    from kvshrink.codecs.fused import half_bits
+    from kvshrink.codecs.fused import narrow_row as _narrow_row
 
     @njit(cache=True)
     def _eviction_order(priority):  # pragma: no cover - compiled
@@ -698,24 +698,6 @@ if fused.available():
             for j in range(k):
                 in_selection[selected[r, j]] = False
         return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
-
-    @njit(cache=True, fastmath=True)
-    def _narrow_row(src, dst):  # pragma: no cover - compiled
-        """``dst`` (float16 words) from ``src`` (float32 words): every word by the normal-range formula in one
-        vectorised pass, then word by word (``fused.half_bits``) if any lies outside that range (zeros, subnormals,
-        overflow, inf, NaN: rare in keys and values). Returns the largest word without its sign."""
-        largest = 0
-        outside = False
-        for t in range(src.shape[0]):
-            x = np.int64(src[t])
-            a = x & 0x7FFFFFFF
-            largest = max(largest, a)
-            outside |= (a < 0x38800000) | (a >= 0x477FF000)
-            dst[t] = ((x >> 16) & 0x8000) | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
-        if outside:
-            for t in range(src.shape[0]):
-                dst[t] = half_bits(np.int64(src[t]))
-        return largest
 
     @njit(cache=True)
     def _shift_in_narrowed(key, value, win_k, win_v, factors, a_words, column):  # pragma: no cover - compiled

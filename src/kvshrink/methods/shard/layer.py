@@ -9,7 +9,7 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes, to_storage
+from kvshrink.cache.store import ExactStore, check_fp16_peak, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import fused
 from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
 from kvshrink.codecs.bitpack import pack_bits, packed_size, unpack_bits
@@ -140,6 +140,7 @@ class ShardLayer(CacheLayer):
         self.unpack_ring()
         self.code_evicted()
         state = dict(self.__dict__)
+        state.pop("_views", None)       # numpy views of this layer's buffers: a copy makes its own
         state["sinks"], state["window"] = state.pop("_sinks"), state.pop("_window")
         del state["_ring"]
         return state
@@ -234,6 +235,8 @@ class ShardLayer(CacheLayer):
     def ring_commit(self, ring: ExactRing, new: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Tokens beyond the window leave the ring for the stream (the oldest first); ``new`` (the step's
         key and value when not already in the ring) is stored after them."""
+        if new is not None and self.ring_step_compiled(ring, *new):
+            return
         while ring.count + (new is not None) > self.cfg.window and ring.count:
             self.stream_append(*ring.pop_oldest())
         if new is None:
@@ -243,6 +246,28 @@ class ShardLayer(CacheLayer):
         else:  # no window at all: the token goes straight to the stream, rounded as a stored one
             self.stream_append(torch.stack([to_storage(x, ring.dtype) for x in new]), ring.start)
             ring.start += 1
+
+    def ring_step_compiled(self, ring: ExactRing, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """A decode step's commit to a full float16 ring in one numba pass (`fused.ring_step`: the oldest token
+        coded into the stream, the new one stored in its slot, checked for float16's range first); False, having
+        done nothing, off the CPU fast path or for other dtypes."""
+        turbo = self.shared.turbo
+        if not (ring.count == ring.slots == self.cfg.window > 0 and self.on_cpu_fast_path(key)
+                and ring.dtype == torch.float16 and key.dtype == value.dtype == torch.float32
+                and fused.turbo_supported(turbo) and ring.kv.is_contiguous()):
+            return False
+        b, h, _, _ = key.shape
+        buffer = self.stream.room(1, (b, h), packed_size(self.d, turbo.bits), key.device)
+        views = self.__dict__.setdefault("_views", fused.NumpyViews())
+        codes, norm = views.get("stream", buffer, lambda x: fused.stream_words(x.codes, x.norm))
+        peak = fused.ring_step(turbo, views.get("ring", ring.kv, fused.ring_words), ring.n_sinks + ring.head, key,
+                               value, codes, norm, self.stream.n)
+        if peak is not None:
+            check_fp16_peak(peak)
+        self.stream.filled(ring.start, 1)
+        ring.head = (ring.head + 1) % ring.slots
+        ring.start += 1
+        return True
 
     def stream_append(self, both: torch.Tensor, index: int) -> None:
         """TurboQuant codes of tokens ``index ..`` (keys and values ``[2, B, H_kv, n, d]``, encoded together:
