@@ -303,7 +303,7 @@ def test_proxy_selection_in_one_pass_equals_softmax_sum_and_topk(padded):
     if padded:
         hidden[(torch.arange(n)[None, :] < first.repeat_interleave(per_row)[:, None])] = float("-inf")
     mass = torch.softmax(hidden * scaling, dim=-1).nan_to_num(0.0).view(kv_rows, per_row, n).sum(1)
-    want_mass, want = top_k_in_token_order(mass, k)
+    want_mass, want = top_k_in_token_order(mass, k, "lru")
     runs = []
     for _ in fused.each_kernel_variant():
         runs.append(lowrank_fused.proxy_top_k(logits.clone(), scaling, first, kv_rows, k))
@@ -344,7 +344,7 @@ def test_a_decode_token_enters_the_float16_window_as_torch_stores_it(planted):
     float16's range (or a factor) refused as `to_storage` refuses it, with nothing written; a NaN let through as
     it lets it through."""
     from kvshrink.cache.store import to_storage
-    from kvshrink.methods.lrqk_tiers import WindowWords, shift_in_narrowed
+    from kvshrink.methods.lrqk_tiers import half_words, shift_in_narrowed
 
     g = torch.Generator().manual_seed(5)
     b, h, w, d, f, cap, r = 1, 3, 5, 8, 3, 6, 4
@@ -363,7 +363,7 @@ def test_a_decode_token_enters_the_float16_window_as_torch_stores_it(planted):
     except ValueError as err:
         want = err
     given = win_k.clone(), win_v.clone(), a_k.clone()
-    words = WindowWords().of(win_k, win_v, a_k)
+    words = half_words(win_k), half_words(win_v), half_words(a_k)
     args = key.view(h, d).numpy(), value.view(h, d).numpy(), factors.numpy(), words, 4
     if isinstance(want, ValueError):
         with pytest.raises(ValueError, match="beyond float16"):
@@ -373,7 +373,6 @@ def test_a_decode_token_enters_the_float16_window_as_torch_stores_it(planted):
         shift_in_narrowed(*args)
         for got, ref in zip((win_k, win_v, a_k), want):
             torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
-    assert WindowWords().of(win_k.float(), win_v, a_k) is None        # not float16 words: the torch path runs
 
 
 @pytest.mark.parametrize("kernel", ["reference", "fast"])

@@ -44,7 +44,14 @@ import torch.nn.functional as F
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.registry import option, register_method
-from kvshrink.cache.store import EXACT_DTYPE_CHOICES, STORAGE_DTYPES, exact_storage_dtype, held_bytes, to_storage
+from kvshrink.cache.store import (
+    EXACT_DTYPE_CHOICES,
+    STORAGE_DTYPES,
+    exact_storage_dtype,
+    held_bytes,
+    storage_overflow_check,
+    to_storage,
+)
 from kvshrink.codecs import fused, lowrank_fused
 from kvshrink.kernels.backend import gpu_path, triton_available
 from kvshrink.codecs.lowrank import (
@@ -70,9 +77,8 @@ from kvshrink.methods.lrqk_tiers import (
     SLOW_TIERS,
     SlotTier,
     SlowTier,
-    deferred_to_storage,
+    half_words,
     make_slow_tier,
-    WindowWords,
     shift_in_narrowed,
     state_tensors,
     warm_up_fill_planner,
@@ -205,7 +211,7 @@ class LRQKLayer(CacheLayer):
         self._step_factors: torch.Tensor | None = None   # a decode step's float32 key factors (fast CPU path)
         self._prefetched = None
         self._overflow: torch.Tensor | None = None    # GPU path: deferred float16 range checks
-        self._window_words = WindowWords()            # the compiled commit's views of win_k, win_v, a_k
+        self._views = fused.NumpyViews()              # the compiled commit's numpy words of win_k, win_v, a_k
         self.counters = new_counters()
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
@@ -213,7 +219,7 @@ class LRQKLayer(CacheLayer):
         """Without the prefetch thread or a background load in flight (they only save copies: a copy
         answers the same without them)."""
         self._drain_prefetch()
-        return {**self.__dict__, "_pool": None, "_prefetched": None}
+        return {k: v for k, v in {**self.__dict__, "_pool": None, "_prefetched": None}.items() if k != "_views"}
 
     def close(self) -> None:
         """Release both tiers (deletes the disk tier's folder)."""
@@ -288,7 +294,7 @@ class LRQKLayer(CacheLayer):
                                              self.a_k.view(b * f, cap, self.rank), candidates, ctx.scaling, first)
                 if self.copies > 1:
                     mass = mass.view(rows, self.copies, candidates).sum(1)
-                top_mass, selected = top_k_in_token_order(mass, min(self.top_k, candidates))
+                top_mass, selected = top_k_in_token_order(mass, min(self.top_k, candidates), self.policy)
             prefetched, ahead = self._take_prefetch(), None
             extra = min(self.extra, candidates - selected.shape[1])
             if self.prefetch_on and extra > 0:     # the best-ranked tokens outside this step's top-k
@@ -501,7 +507,7 @@ class LRQKLayer(CacheLayer):
         if ctx.pad_len is not None:      # a row whose candidates are all padding: NaN -> no mass
             mass = mass.nan_to_num(0.0)
         mass = mass.reshape(b, hkv, -1, candidates).sum(dim=2)     # [B, H_kv, n]
-        top_mass, top_idx = top_k_in_token_order(mass, k)
+        top_mass, top_idx = top_k_in_token_order(mass, k, self.policy)
         return top_idx.reshape(b * hkv, k), top_mass.reshape(b * hkv, k), mass.reshape(b * hkv, candidates)
 
     def _topk_partial(self, query: torch.Tensor, ctx: StepContext, candidates: int) -> Partial:
@@ -657,11 +663,11 @@ class LRQKLayer(CacheLayer):
                 and self.a_len < self.a_k.shape[2] and key.dtype == value.dtype == torch.float32
                 and key.device.type == "cpu" and lowrank_fused.available()):
             return False
-        if not hasattr(self, "_window_words"):     # a layer saved before the compiled commit
-            self._window_words = WindowWords()
-        words = self._window_words.of(self.win_k, self.win_v, self.a_k)
-        if words is None:
+        tensors = (self.win_k, self.win_v, self.a_k)
+        if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
             return False
+        views = self.__dict__.setdefault("_views", fused.NumpyViews())   # (absent from a layer saved before)
+        words = tuple(views.get(name, t, half_words) for name, t in zip(("win_k", "win_v", "a_k"), tensors))
         rows, d, r = self.slots.rows, key.shape[-1], self.rank
         k_hat = self._k_hat if self._k_hat.dtype == torch.float64 else self._k_hat.double()
         shift_in_narrowed(fused._numpy(key).reshape(rows, d), fused._numpy(value).reshape(rows, d),
@@ -673,23 +679,38 @@ class LRQKLayer(CacheLayer):
         return True
 
     def _commit_torch(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext, gpu: bool) -> None:
+        deferred = gpu and ctx.q_len == 1 and self.b_k is not None and getattr(self, "_overflow", None) is not None
+        if deferred:     # range checked with the next miss transfer
+            self._defer_range_check(key, value)
         self.slow.append(key, value, non_blocking=gpu)
-        self._update_window(key, value, getattr(self, "_overflow", None) if gpu else None)
+        self._update_window(key, value, checked=deferred)
         if ctx.q_len > 1 or self.b_k is None:
             self._accumulate_grams(self._query, key, ctx)
             self._refit()
-        elif gpu and getattr(self, "_overflow", None) is not None:   # range checked with the next miss transfer
-            self._append_factors(deferred_to_storage(self._k_hat, self.factor_dtype, self._overflow).unsqueeze(2))
+        elif deferred:
+            self._append_factors(self._k_hat.to(self.factor_dtype).unsqueeze(2))
         else:
             self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
 
-    def _update_window(self, key: torch.Tensor, value: torch.Tensor, overflow: torch.Tensor | None = None) -> None:
+    def _defer_range_check(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The GPU path's decode step: whether the new token's key or value (for a float16 window) or its key
+        factors (float16 factors) are beyond float16's range, or-ed into ``_overflow`` with one reduction (four
+        launches, no host synchronisation), raised at the next miss transfer."""
+        narrowed = [x for x in (key, value) if self.window and storage_overflow_check(x, self.slots.keys.dtype)]
+        if storage_overflow_check(self._k_hat, self.factor_dtype):
+            narrowed.append(self._k_hat)
+        if narrowed:
+            peak = torch.linalg.vector_norm(torch.cat([x.reshape(-1).float() for x in narrowed]), ord=float("inf"))
+            self._overflow.logical_or_(peak > torch.finfo(torch.float16).max)
+
+    def _update_window(self, key: torch.Tensor, value: torch.Tensor, checked: bool = False) -> None:
         """The window takes the newest tokens in the slots' dtype (checked for float16's range as every stored
-        row is; on the GPU path or-ed into ``overflow`` and raised at the next miss transfer)."""
+        row is, unless ``checked`` already)."""
         if self.window == 0:
             return
         device, dtype = self.slots.keys.device, self.slots.keys.dtype
-        k, v = (deferred_to_storage(x[:, :, -self.window:].to(device), dtype, overflow) for x in (key, value))
+        k, v = (x[:, :, -self.window:].to(device) for x in (key, value))
+        k, v = (k.to(dtype), v.to(dtype)) if checked else (to_storage(k, dtype), to_storage(v, dtype))
         if self.win_k is not None:
             # only the rows that stay are concatenated: the result is the new window, with no second copy
             stay = max(0, min(self.win_k.shape[2], self.window - k.shape[2]))
@@ -768,11 +789,15 @@ class LRQKLayer(CacheLayer):
         return layer_stats(self.counters, self.step_log, self.nbytes(), self.slow_tier_bytes())
 
 
-def top_k_in_token_order(mass: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(mass, k)`` along the last dim with the selection in token order: which slot a missing token
-    takes follows this order, and LRU's later evictions follow the slots, so every path orders it the same
-    way (``sorted=False`` leaves the order to the device's kernel)."""
+def top_k_in_token_order(mass: torch.Tensor, k: int, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(mass, k)`` along the last dim, the selection in token order under the ``lru`` and
+    ``attention`` policies: which slot a missing token takes follows this order, and their later evictions
+    follow the slots, so every path orders it the same way (``sorted=False`` leaves the order to the device's
+    kernel). Under ``set`` every slot not selected is free, and the order changes where tokens lie, not which
+    are held: no sort (two launches a layer less on the GPU path)."""
     top_mass, selected = torch.topk(mass, k, dim=-1, sorted=False)
+    if policy == "set":
+        return top_mass, selected
     selected, order = selected.sort(dim=-1)
     return top_mass.gather(-1, order), selected
 

@@ -70,7 +70,7 @@ class SlowTier:
         self._lock = threading.Lock()
         self._inflight = None    # CUDA event after an asynchronous append (GPU path), until the stream syncs
         self._staging: torch.Tensor | None = None   # pinned rows for the GPU path's fills (gather_to)
-        self._words = None    # (data, its numpy words): copy_rows_to's view, made again when data is replaced
+        self._views = fused.NumpyViews()    # copy_rows_to's numpy words of the data
 
     # ---- storage ---------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> torch.Tensor:
@@ -143,9 +143,7 @@ class SlowTier:
     def _data_words(self) -> np.ndarray:
         """The held rows as numpy unsigned words (no copy), kept while ``data`` is the same tensor (three calls
         per layer and step less)."""
-        if self._words is None or self._words[0] is not self._data:
-            self._words = (self._data, _uint_view(self._data, _SAME_SIZE_UINT[self._data.element_size()]))
-        return self._words[1]
+        return self._views.get("data", self._data, lambda t: _uint_view(t, _SAME_SIZE_UINT[t.element_size()]))
 
     def copy_rows_to(self, row: torch.Tensor, token: torch.Tensor, flat: torch.Tensor, keys: np.ndarray,
                      values: np.ndarray, slot_dtype: torch.dtype) -> bool:
@@ -212,7 +210,7 @@ class SlowTier:
             if self._data is not None:
                 self._check(0, self.length)
             self._settle()
-            state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_inflight", "_staging", "_words")}
+            state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_inflight", "_staging", "_views")}
             state["_data"] = None if self._data is None else self._data[: self.length].clone()
         return state
 
@@ -221,7 +219,7 @@ class SlowTier:
         self._lock = threading.Lock()
         self._inflight = None
         self._staging = None
-        self._words = None
+        self._views = fused.NumpyViews()
 
     # ---- hooks for the disk tier -----------------------------------------------------------------
     def _after_write(self, start: int, stop: int) -> None:
@@ -465,15 +463,11 @@ class SlotTier:
     def _slot_words(self) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values ``[rows·capacity, d]`` as numpy unsigned words (no copy), kept while they are the same
         tensors (not saved: a copy or a loaded cache makes its own)."""
-        words = getattr(self, "_words", None)
-        if words is None or words[0] is not self.keys or words[1] is not self.values:
-            d, unsigned = self.keys.shape[-1], _SAME_SIZE_UINT[self.keys.element_size()]
-            words = self._words = (self.keys, self.values, _uint_view(self.keys.view(-1, d), unsigned),
-                                   _uint_view(self.values.view(-1, d), unsigned))
-        return words[2], words[3]
+        views = self.__dict__.setdefault("_views", fused.NumpyViews())
+        return tuple(views.get(name, t, _slot_rows_words) for name, t in (("keys", self.keys), ("values", self.values)))
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_words"}
+        return {k: v for k, v in self.__dict__.items() if k != "_views"}
 
     def _write_rows(self, flat: torch.Tensor, fill: torch.Tensor) -> None:
         """Slot ``flat[i]`` (``row * capacity + slot``) takes K ``fill[i, 0]`` and V ``fill[i, 1]`` (the
@@ -782,36 +776,21 @@ def _uint_view(t: torch.Tensor, unsigned) -> np.ndarray:
     return t.view(_SAME_SIZE_INT[t.element_size()]).numpy().view(unsigned)
 
 
-class WindowWords:
-    """Numpy float16 words of a layer's windows and key factors (no copy), made again when a tensor is replaced:
-    what ``shift_in_narrowed`` writes in place, without three views made per layer and step."""
+def half_words(t: torch.Tensor) -> np.ndarray:
+    """A contiguous float16 CPU tensor ``[..., m, d]`` as numpy words ``[rows, m, d]`` (no copy): what
+    ``shift_in_narrowed`` writes."""
+    return _uint_view(t.view(-1, t.shape[-2], t.shape[-1]), np.uint16)
 
-    def __init__(self):
-        self._of: tuple = ()
 
-    def of(self, win_k: torch.Tensor, win_v: torch.Tensor, a_k: torch.Tensor) -> tuple | None:
-        """``(win_k [R, W, d], win_v, a_k [B·F, capacity, r])`` as uint16, or None unless all are contiguous float16
-        CPU tensors."""
-        held = self._of
-        if held and held[0] is win_k and held[1] is win_v and held[2] is a_k:
-            return held[3]
-        if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in (win_k, win_v, a_k)):
-            return None
-        rows, d = win_k.shape[0] * win_k.shape[1], win_k.shape[-1]
-        words = (_uint_view(win_k.view(rows, -1, d), np.uint16), _uint_view(win_v.view(rows, -1, d), np.uint16),
-                 _uint_view(a_k.view(-1, a_k.shape[2], a_k.shape[3]), np.uint16))
-        self._of = (win_k, win_v, a_k, words)
-        return words
-
-    def __getstate__(self) -> dict:
-        return {"_of": ()}    # views of this object's tensors: a copy makes its own
+def _slot_rows_words(t: torch.Tensor) -> np.ndarray:
+    return _uint_view(t.view(-1, t.shape[-1]), _SAME_SIZE_UINT[t.element_size()])
 
 
 def shift_in_narrowed(key: np.ndarray, value: np.ndarray, factors: np.ndarray, words: tuple, column: int) -> None:
-    """A decode token's float32 ``key/value [R, d]`` shifted into the float16 windows (``words``: `WindowWords.of`; in
-    place, the oldest token out) and its key factors ``factors [F, r]`` (float64) written into column ``column`` of
-    the float16 factors, in one compiled pass; ValueError, with nothing written, when a value is beyond float16's
-    range (as ``store.to_storage``)."""
+    """A decode token's float32 ``key/value [R, d]`` shifted into the float16 windows (``words``: the `half_words` of
+    ``win_k``, ``win_v`` and the key factors ``a_k``; in place, the oldest token out) and its key factors ``factors
+    [F, r]`` (float64) written into column ``column`` of the factors, in one compiled pass; ValueError, with nothing
+    written, when a value is beyond float16's range (as ``store.to_storage``)."""
     largest = _shift_in_narrowed(key, value, words[0], words[1], factors, words[2], column)
     if _F32_FP16_OVERFLOW_BITS <= largest <= _F32_INF_BITS:
         check_fp16_peak(float(np.array(largest, dtype=np.uint32).view(np.float32)))
@@ -828,7 +807,7 @@ def warm_up_fill_planner() -> None:
                        np.zeros(1, np.int64), np.zeros((1, 1), slot_words), np.zeros((1, 1), slot_words), narrow)
         half = torch.zeros(1, 1, 1, 1, dtype=torch.float16)
         shift_in_narrowed(np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), np.zeros((1, 1)),
-                          WindowWords().of(half, half.clone(), half.clone()), 0)
+                          (half_words(half), half_words(half.clone()), half_words(half.clone())), 0)
         for bits in (np.int16, np.int32):    # float16/bfloat16 and float32 slots
             _scatter_rows(np.zeros((1, 1), bits), np.zeros((1, 1), bits), np.zeros(1, np.int64),
                           np.zeros((1, 2, 1), bits))
