@@ -580,6 +580,16 @@ if numba is not None:
                 dst[t] = half_bits(np.int64(src[t]))
         return largest
 
+    @njit(inline="always")
+    def largest_word(x):  # pragma: no cover - compiled
+        """The largest of the float32 words ``x [m, n]`` (uint32) without its sign: their largest magnitude's bits (a
+        NaN's above ``_F32_INF``), what a float16 range check compares."""
+        largest = 0
+        for i in range(x.shape[0]):
+            for j in range(x.shape[1]):
+                largest = max(largest, np.int64(x[i, j]) & 0x7FFFFFFF)
+        return largest
+
     @njit(cache=True)
     def _ring_step(kv, slot, key, value, pow2, rotation_t, bounds, bits, codes, norm_words, at):  # pragma: no cover
         # A full ring's decode step: the token in ``slot`` of ``kv [2, R, S, d]`` (float16 words) TurboQuant-coded
@@ -587,11 +597,7 @@ if numba is not None:
         # values, as `_turbo_encode`), then the new ``key/value [R, d]`` (float32) narrowed into that slot; nothing
         # done when a new value is beyond float16's range. Returns the largest float32 word read, without sign.
         words = (key.view(np.uint32), value.view(np.uint32))
-        largest = 0
-        for x in words:
-            for i in range(x.shape[0]):
-                for j in range(x.shape[1]):
-                    largest = max(largest, np.int64(x[i, j]) & 0x7FFFFFFF)
+        largest = max(largest_word(words[0]), largest_word(words[1]))
         if _F32_FP16_OVERFLOW <= largest <= _F32_INF:
             return largest
         rows, d = key.shape

@@ -616,6 +616,7 @@ class SlotTier:
 if fused.available():
     from numba import njit
 
+    from kvshrink.codecs.fused import largest_word
     from kvshrink.codecs.fused import narrow_row as _narrow_row
 
     @njit(cache=True)
@@ -701,11 +702,7 @@ if fused.available():
         first). Returns the largest float32 word without its sign (from ``_F32_FP16_OVERFLOW_BITS`` to
         ``_F32_INF_BITS``: overflow, nothing written; a NaN's passes, as ``store.to_storage`` lets it)."""
         words = (key.view(np.uint32), value.view(np.uint32), factors.astype(np.float32).view(np.uint32))
-        largest = 0
-        for x in words:
-            for i in range(x.shape[0]):
-                for j in range(x.shape[1]):
-                    largest = max(largest, np.int64(x[i, j]) & 0x7FFFFFFF)
+        largest = max(largest_word(words[0]), largest_word(words[1]), largest_word(words[2]))
         if _F32_FP16_OVERFLOW_BITS <= largest <= _F32_INF_BITS:
             return largest
         last = win_k.shape[1] - 1
