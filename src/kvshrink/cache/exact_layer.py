@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.store import ExactStore, partial_or_none
@@ -12,10 +13,13 @@ from kvshrink.kernels.backend import gpu_path
 class ExactLayer(CacheLayer):
     """Attention over exactly stored tokens; subclasses decide what ``trim`` keeps after each append.
 
-    ``commit`` appends the step's tokens, then calls ``trim``. A decode step on the GPU path appends the
-    new token first and answers with one kernel over the store (the new token included), written straight
-    into the output in the model's dtype: no separate partial for the new token, no merge; ``trim`` then
-    runs as after any commit, so the attention is the same as the generic path's.
+    ``commit`` appends the step's tokens, then calls ``trim``. A decode step appends the new token first
+    and answers with one attention over the store (the new token included): on the GPU path one kernel
+    written straight into the output in the model's dtype; on CPU, when the store holds the new token
+    unchanged (its dtype is the model's) and nothing is padded, one call of torch's
+    ``scaled_dot_product_attention``, as transformers' own cache attends. No separate partial for the new
+    token, no merge; ``trim`` then runs as after any commit, so the attention is the same as the generic
+    path's.
     """
 
     commit_needs_attention = False
@@ -35,7 +39,11 @@ class ExactLayer(CacheLayer):
         """Drop what the layer does not keep, after an append (nothing by default)."""
 
     def attend(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        if ctx.q_len != 1 or not len(self.store) or not gpu_path(query):
+        if ctx.q_len != 1 or not len(self.store):
+            return super().attend(query, ctx)
+        if not gpu_path(query):
+            if ctx.pad_len is None and self.store.dtype in (None, query.dtype):
+                return self._decode_from_store(query, ctx)
             return super().attend(query, ctx)
         from kvshrink.kernels.exact_attention import exact_attention
 
@@ -50,6 +58,17 @@ class ExactLayer(CacheLayer):
                         pad_len=ctx.pad_len, key_start=self.store.start, out=out.transpose(1, 2))
         self.trim(ctx)
         return out
+
+    def _decode_from_store(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """A CPU decode step without padding: the new token appended, then one attention over the store (every
+        stored token is visible to it), ``[B, 1, H_q, d]`` in the model's dtype."""
+        key, value = self._pending
+        self._pending = None
+        self.store.append(key, value, ctx.new_index)
+        out = F.scaled_dot_product_attention(query, self.store.keys, self.store.values, scale=ctx.scaling,
+                                             enable_gqa=query.shape[1] != self.store.keys.shape[1])
+        self.trim(ctx)
+        return out.transpose(1, 2).contiguous()
 
     def nbytes(self) -> int:
         return self.store.nbytes()
