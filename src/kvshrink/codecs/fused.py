@@ -806,8 +806,9 @@ def _use_threads() -> bool:
         _value_bins_parallel(np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.uint8), 8, 1,
                              np.zeros((1, 1, 256, 4), np.float32))
         _threads_usable = numba.threading_layer() in _THREADED_LAYERS
-    if _threads_usable:
-        numba.set_num_threads(threads)
+    if _threads_usable and getattr(_WORKSPACE, "numba_threads", None) != threads:
+        numba.set_num_threads(threads)          # numba's count is per calling thread, as the workspace is
+        _WORKSPACE.numba_threads = threads
     return _threads_usable
 
 
@@ -934,14 +935,14 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
 def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped ``query [B, H_kv, R, d]`` (float32, CPU) over ``keys/values [B, H_kv, m, d]`` (any float
-    dtype; bfloat16 converted by torch, the others by numpy), every one visible: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``, one
+    dtype, converted by torch), every one visible: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``, one
     pass per head (a decode step's few dozen exact tokens: no attention kernel's setup, no host sync)."""
     b, h, rows, d = query.shape
     out = np.empty((b, h, rows, d), np.float32)
     lse = np.empty((b, h, rows), np.float32)
 
     def floats(x: torch.Tensor) -> np.ndarray:
-        return _numpy(x).astype(np.float32, copy=False) if x.dtype != torch.bfloat16 else _numpy(x.float())
+        return _numpy(x.float())     # torch converts half vectorised: numpy's astype took ~5x as long
 
     _exact_attention(_numpy(query.float()), floats(keys), floats(values), np.float32(scaling), out, lse)
     return torch.from_numpy(out), torch.from_numpy(lse)
