@@ -1,9 +1,11 @@
 """Wall time per part of Shard's decode step (the layer's methods timed in place, nested parts inside their
 callers), averaged over STEPS decode steps after one prefill. Usage:
 PYTHONPATH=src .venv/bin/python scripts/decode_sections.py THREADS LENGTH STEPS [SPEC]
-(docs/results.md, "Session 10"; `kvshrink eval cost` is the benchmark, this locates costs)."""
+(docs/results.md, "Session 10"; `kvshrink eval cost` is the benchmark, this locates costs). SERIAL=1: numba's
+serial kernels even with several threads (docs/results.md, "Session 22")."""
 import collections
 import functools
+import os
 import sys
 import time
 
@@ -16,6 +18,8 @@ from kvshrink.eval.tasks import TokenCorpus
 from kvshrink.methods.shard import layer as shard_layer, ring as shard_ring
 
 threads, length, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+if os.environ.get("SERIAL"):
+    fused._threads_forced = False
 spec = sys.argv[4] if len(sys.argv) > 4 else "shard"
 torch.set_num_threads(threads)
 spent = collections.Counter()

@@ -1,7 +1,8 @@
 """Per-phase process time of one LRQK decode step (timers wrapped around the layer's private methods) and of
 full's attention, prefilled once each and decoded interleaved. Usage:
     PYTHONPATH=src .venv/bin/python scripts/lrqk_decode_breakdown.py LENGTH STEPS THREADS lrqk [EXTRA_SPEC...]
-(docs/pending/issue13-lrqk-results.md). The timers add a little time of their own; nested phases overlap."""
+(docs/pending/issue13-lrqk-results.md). The timers add a little time of their own; nested phases overlap.
+SERIAL=1: numba's serial kernels even with several threads."""
 import os, sys, time, collections, functools, torch
 CLOCK = time.perf_counter if os.environ.get("WALL") else time.process_time  # WALL=1: wall clock
 from kvshrink.eval.backend import KVShrinkBackend
@@ -13,6 +14,8 @@ T = importlib.import_module('kvshrink.methods.lrqk_tiers')
 B = importlib.import_module('kvshrink.cache.base')
 
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+if os.environ.get("SERIAL"):
+    importlib.import_module('kvshrink.codecs.fused')._threads_forced = False
 acc = collections.defaultdict(float); cnt = collections.Counter(); on = [False]; CUR = ["?"]
 def timed(obj, name, label=None):
     f = getattr(obj, name)

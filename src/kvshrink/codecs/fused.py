@@ -816,12 +816,13 @@ def each_kernel_variant():
     """``for parallel in each_kernel_variant(): f()`` runs ``f`` with the serial kernels, then with their
     parallel variants, whatever the threads (the warm-ups compile both)."""
     global _threads_forced
+    before = _threads_forced
     try:
         for forced in (False, True):
             _threads_forced = forced
             yield forced
     finally:
-        _threads_forced = None
+        _threads_forced = before
 
 
 _VIEWS_KEPT = 256    # scratch views kept by (name, shape): a model's layers ask for a few shapes each step
