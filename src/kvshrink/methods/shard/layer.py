@@ -207,8 +207,9 @@ class ShardLayer(CacheLayer):
         together = [] if gpu else [tokens for tokens in salient if not (fast and tokens.coded)]
         apart = salient if gpu else [tokens for tokens in salient if fast and tokens.coded]
         extra = [tokens.key_values(ring.dtype) for tokens in together]
-        parts = [part for part in (ring.partial(query, ctx.scaling, extra, fast),) if part is not None]
-        if not inside:
+        new = None if inside or not fast else (key, value)       # on the fast path attended with the ring
+        parts = [part for part in (ring.partial(query, ctx.scaling, extra, fast, new),) if part is not None]
+        if not inside and new is None:
             parts.append(self._chunk_partial(query, key, value, ctx))
         parts += salient_partials(query, apart, ctx.scaling, ring.dtype, fast)
         out = self.merge(parts + self.code_partials(query, ctx), query.dtype)

@@ -66,10 +66,13 @@ class ExactRing:
         return self.kv[:, :, :, at:at + 1], index
 
     def partial(self, query: torch.Tensor, scaling: float,
-                extra: list[tuple[torch.Tensor, torch.Tensor]] = (), fast: bool = False) -> Partial | None:
+                extra: list[tuple[torch.Tensor, torch.Tensor]] = (), fast: bool = False,
+                new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
         """Exact attention of ``query`` over every token held and the ``extra`` keys and values (tokens
         the query sees all of, in the ring's dtype: attended in the same call), None when there are none.
-        ``fast``: by `codecs.fused.exact_attention` (CPU, numba) rather than `exact_partial`."""
+        ``fast``: by `codecs.fused.exact_attention` (CPU, numba) rather than `exact_partial`, and then ``new``
+        (the step's own key and value, in any float dtype, not rounded to the ring's) is attended in the same
+        call too (one partial and one merge term fewer than attending it apart)."""
         live = self.n_sinks + self.count
         if live == self.keys.shape[2]:
             keys, values = self.keys, self.values
@@ -80,9 +83,12 @@ class ExactRing:
         if extra:
             keys = torch.cat([keys, *(k for k, _ in extra)], dim=2)
             values = torch.cat([values, *(v for _, v in extra)], dim=2)
-        if keys.shape[2] == 0:
+        if keys.shape[2] == 0 and (new is None or not fast):
             return None
         if fast:
+            if new is not None:     # float32 throughout: the ring's rows widened exactly, the new token unrounded
+                keys = torch.cat([keys.float(), new[0].float()], dim=2)
+                values = torch.cat([values.float(), new[1].float()], dim=2)
             out, lse = fused.exact_attention(group_queries(query.float(), keys.shape[1]), keys, values, scaling)
             return Partial.from_grouped(out, lse, query.shape[1])
         return exact_partial(query, keys, values, scaling)
