@@ -217,8 +217,9 @@ def test_the_threaded_kernels_give_the_serial_kernels_results_exactly():
 
 
 def test_the_one_pass_merge_equals_merge_partials():
-    """`fused.merge_partials` == the framework's `merge_partials` (the decode step's merge on the CPU fast path),
-    with rows a part does not see (lse -inf) and a row no part sees (zeros, -inf)."""
+    """`fused.StepParts.merged` == the framework's `merge_partials` (the decode step's merge on the CPU fast path),
+    with rows a part does not see (lse -inf) and a row no part sees (zeros, -inf); more parts than it holds: an
+    error."""
     from kvshrink.cache.attention import Partial
 
     g = torch.Generator().manual_seed(0)
@@ -227,10 +228,15 @@ def test_the_one_pass_merge_equals_merge_partials():
     for part in parts:
         part.lse[1, 7] = float("-inf")
     want = merge_partials(parts)
-    out, lse = fused.merge_partials([p.out for p in parts], [p.lse for p in parts])
+    held = fused.StepParts(torch.zeros(2, 9, 1, 16), 1.0, 4)
+    for part in parts:
+        held.add(part.out, part.lse)
+    out, lse = held.merged()
     torch.testing.assert_close(out, want.out, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lse, want.lse, atol=1e-6, rtol=1e-6)
     assert torch.equal(out[1, 7], torch.zeros(1, 16)) and lse[1, 7] == float("-inf")
+    with pytest.raises(RuntimeError, match="capacity"):
+        held.add(parts[0].out, parts[0].lse)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

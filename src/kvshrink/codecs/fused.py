@@ -880,23 +880,43 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
     Returns ``(bins [B, H_kv, R, n_groups * 2**v_bits], lse [B, H_kv, R])``: the softmax probabilities
     summed per value group and codeword, and the log-sum-exp of the scores."""
     batch, heads, n_rows, d = query.shape
-    scopes = [_numpy(c) for c in (codes.unbind(1) if isinstance(codes, torch.Tensor) else codes)]
-    n_scopes, n = len(scopes), scopes[0].shape[1]
-    heads_per_scope = heads // n_scopes
     if not halves:
         split = _half_split(d)
+        heads_per_scope = heads // (codes.shape[1] if isinstance(codes, torch.Tensor) else len(codes))
         columns = torch.cat([j * d + split for j in range(heads_per_scope)])
         scaled, mean, query = scaled[..., columns], mean[:, columns], query[..., split]
+    scopes = codes.unbind(1) if isinstance(codes, torch.Tensor) else codes
+    lse = np.empty((batch, heads, n_rows), np.float32)
+    bins = _code_bins(scopes, layout, scaled, mean, cos_t, sin_t, _row_quads(_numpy(query.float()), scaling),
+                      hidden, v_codes, v_bits, n_groups, rows, lse)
+    return torch.from_numpy(bins)[..., :n_rows].transpose(2, 3), torch.from_numpy(lse)
+
+
+def _row_quads(query: np.ndarray, scaling: float) -> np.ndarray:
+    """Grouped float32 queries ``[B, H, R, d]`` times ``scaling``, as ``[B, H, ceil(R/4), 4, d]`` (zero rows
+    past ``R``): the score kernel reads four rows at once."""
+    batch, heads, n_rows, d = query.shape
+    q4 = np.zeros((batch, heads, -(-n_rows // 4) * 4, d), np.float32)
+    q4[:, :, :n_rows] = query * np.float32(scaling)
+    return q4.reshape(batch, heads, -1, 4, d)
+
+
+def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
+               q4: np.ndarray, hidden: torch.Tensor | None, v_codes: torch.Tensor, v_bits: int, n_groups: int,
+               rows: torch.Tensor | None, lse: np.ndarray) -> np.ndarray:
+    """`code_attention` (channels as two halves) of the scaled query quads ``q4`` (`_row_quads`) over one block:
+    its bins ``[B, H_kv, n_groups * 2**v_bits, 4 * ceil(R / 4)]`` (query rows last), its log-sum-exp written
+    into ``lse [B, H_kv, R]``."""
+    batch, heads, n_rows = lse.shape
+    scopes = [_numpy(c) for c in scopes]
+    n_scopes, n = len(scopes), scopes[0].shape[1]
+    heads_per_scope = heads // n_scopes
     rank = scaled.shape[1]
     basis_t = scaled.float().transpose(1, 2)         # [S, W, r]: BLAS reads it transposed in place
-    groups = -(-n_rows // 4)
-    q4 = np.zeros((batch, heads, groups * 4, d), np.float32)
-    q4[:, :, :n_rows] = _numpy(query.float()) * np.float32(scaling)
-    q4 = q4.reshape(batch, heads, groups, 4, d)
     positions = _NO_ROWS if rows is None else _numpy(rows.long())
     c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
     scores = scratch("scores", (batch, heads, n_rows, n)).numpy()
-    bins = np.zeros((batch, heads, n_groups << v_bits, groups * 4), np.float32)
+    bins = np.zeros((batch, heads, n_groups << v_bits, q4.shape[2] * 4), np.float32)
     lut = byte_levels(layout.level_kind, layout.widths)
     lut64 = lut.view(np.int64)                       # a byte's levels as 8-byte words
     parallel = _use_threads()
@@ -915,22 +935,9 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
         block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)
     if hidden is not None and hidden.shape[-1]:
         _hide(scores, _numpy(hidden.to(torch.int32)))
-    lse = np.empty((batch, heads, n_rows), np.float32)
     _softmax_rows(scores.reshape(batch * heads * n_rows, n), lse.reshape(-1))  # one pass a row, not three torch ops
     value_bins(scores, _numpy(v_codes), v_bits, n_groups, bins)
-    return torch.from_numpy(bins)[..., :n_rows].transpose(2, 3), torch.from_numpy(lse)
-
-
-def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`cache.attention.merge_partials` of partials ``outs [B, H, q, d]`` (float32) and ``lses [B, H, q]`` on
-    CPU in one pass: ``(out, lse)`` of the softmax over their tokens' union (a decode step's handful of parts
-    per layer: a dozen small torch ops less)."""
-    out = np.empty(tuple(outs[0].shape), np.float32)
-    lse = np.empty(tuple(lses[0].shape), np.float32)
-    d = out.shape[-1]
-    _merge(np.stack([_numpy(o.float()).reshape(-1, d) for o in outs]),
-           np.stack([_numpy(x.float()).reshape(-1) for x in lses]), out.reshape(-1, d), lse.reshape(-1))
-    return torch.from_numpy(out), torch.from_numpy(lse)
+    return bins
 
 
 def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
@@ -938,15 +945,20 @@ def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """Attention of grouped ``query [B, H_kv, R, d]`` (float32, CPU) over ``keys/values [B, H_kv, m, d]`` (any float
     dtype, converted by torch), every one visible: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``, one
     pass per head (a decode step's few dozen exact tokens: no attention kernel's setup, no host sync)."""
-    b, h, rows, d = query.shape
-    out = np.empty((b, h, rows, d), np.float32)
-    lse = np.empty((b, h, rows), np.float32)
-
-    def floats(x: torch.Tensor) -> np.ndarray:
-        return _numpy(x.float())     # torch converts half vectorised: numpy's astype took ~5x as long
-
-    _exact_attention(_numpy(query.float()), floats(keys), floats(values), np.float32(scaling), out, lse)
+    out, lse = _outputs(query.shape)
+    _exact_into(_numpy(query.float()), keys, values, np.float32(scaling), out, lse)
     return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def _outputs(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Empty float32 ``out [B, H, R, d]`` and ``lse [B, H, R]`` of a grouped query's ``shape``."""
+    return np.empty(tuple(shape), np.float32), np.empty(tuple(shape[:3]), np.float32)
+
+
+def _exact_into(query: np.ndarray, keys: torch.Tensor, values: torch.Tensor, scaling: np.float32, out: np.ndarray,
+                lse: np.ndarray) -> None:
+    # torch converts half vectorised: numpy's astype took ~5x as long
+    _exact_attention(query, _numpy(keys.float()), _numpy(values.float()), scaling, out, lse)
 
 
 # float32 +inf's bits, and the smallest float32 bits beyond float16's largest value (65504)
@@ -963,11 +975,15 @@ def int8_attention(query: torch.Tensor, keys, values, scaling: float, dtype: tor
     every one visible, in one pass with no decoded copy: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``. The codes
     are decoded as ``dequantize_groups(code).to(dtype)`` gives them (rounded to ``dtype``'s mantissa; values
     under float16's normal range, below 6.1e-5, rounded relative to themselves)."""
+    out, lse = _outputs(query.shape)
+    _int8_into(_numpy(query.float()), keys, values, np.float32(scaling), dtype, out, lse)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def _int8_into(query: np.ndarray, keys, values, scaling: np.float32, dtype: torch.dtype, out: np.ndarray,
+               lse: np.ndarray) -> None:
     if keys.bits != 8 or values.bits != 8:
         raise ValueError(f"int8_attention reads 8-bit codes, got {keys.bits} and {values.bits} bits")
-    b, h, rows, d = query.shape
-    out = np.empty((b, h, rows, d), np.float32)
-    lse = np.empty((b, h, rows), np.float32)
 
     def parts(code):
         shape = code.scale.shape
@@ -975,9 +991,8 @@ def int8_attention(query: torch.Tensor, keys, values, scaling: float, dtype: tor
         halves = [_numpy(x.view(torch.int16)).view(np.uint16) for x in (code.scale, code.zero)]
         return _numpy(codes), *halves
 
-    _int8_attention(_numpy(query.float()), *parts(keys), *parts(values), _HALF_POW2,
-                    np.float32(_SPLIT.get(dtype, 1.0)), np.float32(scaling), out, lse)
-    return torch.from_numpy(out), torch.from_numpy(lse)
+    _int8_attention(query, *parts(keys), *parts(values), _HALF_POW2, np.float32(_SPLIT.get(dtype, 1.0)), scaling,
+                    out, lse)
 
 
 def set_bit_positions(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -994,8 +1009,13 @@ def bin_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor, 
     handful of small torch ops per layer and step."""
     b, h, r, _ = bins.shape
     out = np.empty((b, h, r, scale.shape[-1]), np.float32)
-    _bin_values(_numpy(bins), _numpy(codebook.float().T), _numpy(scale.float()), _numpy(rotation.float()), out)
+    _values_into(_numpy(bins), codebook, scale, rotation, out)
     return torch.from_numpy(out)
+
+
+def _values_into(bins: np.ndarray, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor,
+                 out: np.ndarray) -> None:
+    _bin_values(bins, _numpy(codebook.float().T), _numpy(scale.float()), _numpy(rotation.float()), out)
 
 
 def turbo_supported(turbo) -> bool:
@@ -1009,14 +1029,18 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float) ->
     (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors) on CPU, in one pass: ``(out [B, H_kv, R, d]
     float32, lse [B, H_kv, R])``, what ``turbo.inner_products``, a softmax and ``turbo.weighted_sum`` give,
     without decoding the codes into tensors (`turbo_supported` says when it applies)."""
-    b, h, r, d = query.shape
-    _, _, _, per_byte = turbo._tables(query.device)   # the centroids of each byte's codes, as decode_rotated reads them
-    out = np.empty((b, h, r, d), np.float32)
-    lse = np.empty((b, h, r), np.float32)
-    _turbo_attention(_numpy(turbo.rotation.rotate(query.float())), _numpy(keys.codes), _numpy(keys.norm.float()),
-                     _numpy(values.codes), _numpy(values.norm.float()), _numpy(per_byte), np.float32(scaling),
-                     out, lse)
-    return turbo.rotation.unrotate(torch.from_numpy(out)), torch.from_numpy(lse)
+    out, lse = _outputs(query.shape)
+    _turbo_into(turbo, _numpy(query.float()), keys, values, np.float32(scaling), out, lse)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def _turbo_into(turbo, query: np.ndarray, keys, values, scaling: np.float32, out: np.ndarray, lse: np.ndarray) -> None:
+    rotation_t, _ = turbo_encoder_tables(turbo)       # M.T: rotate(x) = x @ M, unrotate(y) = y @ M.T
+    _, _, _, per_byte = turbo._tables("cpu")          # the centroids of each byte's codes, as decode_rotated reads them
+    rotated = np.empty_like(out)
+    _turbo_attention(query @ rotation_t.T, _numpy(keys.codes), _numpy(keys.norm.float()), _numpy(values.codes),
+                     _numpy(values.norm.float()), _numpy(per_byte), scaling, rotated, lse)
+    np.matmul(rotated, rotation_t, out=out)
 
 
 def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, at: int) -> None:
@@ -1072,6 +1096,64 @@ def turbo_encoder_tables(turbo) -> tuple[np.ndarray, np.ndarray]:
 
 
 _ENCODER_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class StepParts:
+    """The partial softmaxes of one grouped decode query ``[B, H_kv, R, d]`` on CPU, each written in place by its
+    kernel into one buffer (`exact`, `int8`, `turbo`, `code`) and all merged in one pass (`merged`): no tensor,
+    `Partial` or stacked copy per part (a decode step has a handful of parts per layer, and each cost a few dozen
+    small calls that way). Up to ``capacity`` parts."""
+
+    def __init__(self, query: torch.Tensor, scaling: float, capacity: int):
+        self.query = _numpy(query.float())
+        self.scaling = np.float32(scaling)
+        shape = self.query.shape
+        self._outs = scratch("parts_out", (capacity, *shape)).numpy()
+        self._lses = scratch("parts_lse", (capacity, *shape[:3])).numpy()
+        self._quads = None
+        self.count = 0
+
+    def _next(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.count == len(self._outs):
+            raise RuntimeError(f"StepParts holds {self.count} parts, its capacity")
+        self.count += 1
+        return self._outs[self.count - 1], self._lses[self.count - 1]
+
+    def exact(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`exact_attention` over ``keys/values [B, H_kv, m, d]`` (any float dtype)."""
+        _exact_into(self.query, keys, values, self.scaling, *self._next())
+
+    def int8(self, keys, values, dtype: torch.dtype) -> None:
+        """`int8_attention` over 8-bit codes ``keys/values``, decoded as ``dtype`` rounds them."""
+        _int8_into(self.query, keys, values, self.scaling, dtype, *self._next())
+
+    def turbo(self, turbo, keys, values) -> None:
+        """`turbo_attention` over TurboQuant codes ``keys/values``."""
+        _turbo_into(turbo, self.query, keys, values, self.scaling, *self._next())
+
+    def code(self, scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
+             hidden: torch.Tensor | None, v_codes: torch.Tensor, v_bits: int, n_groups: int, rows: torch.Tensor | None,
+             codebook: torch.Tensor, v_scale: torch.Tensor, rotation: torch.Tensor) -> None:
+        """`code_attention` (``halves=True``) then `bin_values`: a coded block's partial."""
+        if self._quads is None:
+            self._quads = _row_quads(self.query, self.scaling)
+        out, lse = self._next()
+        bins = _code_bins(scopes, layout, scaled, mean, cos_t, sin_t, self._quads, hidden, v_codes, v_bits, n_groups,
+                          rows, lse)
+        _values_into(bins[..., :lse.shape[-1]].transpose(0, 1, 3, 2), codebook, v_scale, rotation, out)
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """A part computed elsewhere: grouped ``out [B, H_kv, R, d]``, ``lse [B, H_kv, R]``."""
+        into_out, into_lse = self._next()
+        into_out[...] = _numpy(out.float())
+        into_lse[...] = _numpy(lse.float())
+
+    def merged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, H_kv, R, d], lse [B, H_kv, R])``: the softmax over every part's tokens (new tensors)."""
+        out, lse = _outputs(self.query.shape)
+        d, n = out.shape[-1], self.count
+        _merge(self._outs[:n].reshape(n, -1, d), self._lses[:n].reshape(n, -1), out.reshape(-1, d), lse.reshape(-1))
+        return torch.from_numpy(out), torch.from_numpy(lse)
 
 
 class NumpyViews:
@@ -1158,8 +1240,13 @@ def warm_up() -> None:
         code_attention(code.codes.unsqueeze(1), run_layout([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
                        torch.ones(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, 1, 2), 1.0, None,
                        torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1, rows=torch.arange(2))
+        parts = StepParts(torch.zeros(1, 1, 1, 2), 1.0, 2)   # the decode step's layouts of the same kernels
+        parts.code([code.codes], run_layout([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2), torch.ones(1, 1, 2),
+                   torch.zeros(1, 1, 2), None, torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1, torch.arange(2),
+                   torch.zeros(256, 2), torch.ones(1, 2), torch.eye(2))
+        parts.add(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1))
+        parts.merged()
     bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))
-    merge_partials([torch.zeros(1, 1, 1, 2)] * 2, [torch.zeros(1, 1, 1)] * 2)
     for dtype in (torch.float32, torch.float16):
         exact_attention(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2, dtype=dtype),
                         torch.zeros(1, 1, 1, 2, dtype=dtype), 1.0)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials
+from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials, ungroup
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.store import ExactStore, check_fp16_peak, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import fused
@@ -162,13 +162,21 @@ class ShardLayer(CacheLayer):
         parts = [exact] if exact is not None else []
         return parts + self.code_partials(query, ctx)
 
-    def code_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
-        """The partials of the compressed segments: each middle block's, then the stream's."""
+    def code_partials(self, query: torch.Tensor, ctx: StepContext,
+                      into: fused.StepParts | None = None) -> list[Partial]:
+        """The partials of the compressed segments: each middle block's, then the stream's; with ``into`` (the CPU
+        fast path's decode step) those the numba kernels compute are written there instead."""
         parts = []
         for block in self.blocks():
-            parts.extend(self.middle_partials(block, query, ctx))
+            if into is not None:
+                self.fused_middle_into(block, ctx, into)
+            else:
+                parts.extend(self.middle_partials(block, query, ctx))
         if self.stream.n:
-            parts.append(self.stream_partial(query, ctx.scaling))
+            if into is not None and fused.turbo_supported(self.shared.turbo):
+                into.turbo(self.shared.turbo, self.stream.keys, self.stream.values)
+            else:
+                parts.append(self.stream_partial(query, ctx.scaling))
         if self.layer_idx == self.info.num_layers - 1:
             self.shared.end_of_step()
         return parts
@@ -200,28 +208,38 @@ class ShardLayer(CacheLayer):
         if inside:
             ring.put(key, value)
         salient = [block.salient for block in self.middle if block.salient is not None]
-        # 8-bit salient codes are read in place (the GPU path's kernel; on the CPU fast path one numba pass per
-        # block, not a dozen torch ops decoding them); on CPU the others are attended with the
-        # ring's tokens in one call (a few dozen rows per block: one kernel and one partial fewer per block)
-        gpu, fast = backend.gpu_path(query), self.on_cpu_fast_path(query)
-        together = [] if gpu else [tokens for tokens in salient if not (fast and tokens.coded)]
-        apart = salient if gpu else [tokens for tokens in salient if fast and tokens.coded]
-        extra = [tokens.key_values(ring.dtype) for tokens in together]
-        new = None if inside or not fast else (key, value)       # on the fast path attended with the ring
-        parts = [part for part in (ring.partial(query, ctx.scaling, extra, fast, new),) if part is not None]
-        if not inside and new is None:
-            parts.append(self._chunk_partial(query, key, value, ctx))
-        parts += salient_partials(query, apart, ctx.scaling, ring.dtype, fast)
-        out = self.merge(parts + self.code_partials(query, ctx), query.dtype)
+        if self.on_cpu_fast_path(query):
+            out = self.fast_ring_attend(query, ctx, ring, salient, None if inside else (key, value))
+        else:
+            # 8-bit salient codes are read in place on the GPU path (one kernel, not a dozen torch ops decoding
+            # them); on CPU they are attended with the ring's tokens in one call (a few dozen rows per block: one
+            # kernel and one partial fewer per block)
+            gpu = backend.gpu_path(query)
+            extra = [] if gpu else [tokens.key_values(ring.dtype) for tokens in salient]
+            parts = [part for part in (ring.partial(query, ctx.scaling, extra),) if part is not None]
+            if not inside:
+                parts.append(self._chunk_partial(query, key, value, ctx))
+            parts += salient_partials(query, salient if gpu else [], ctx.scaling, ring.dtype)
+            out = merge_partials(parts + self.code_partials(query, ctx), query.dtype).out
         self.decoding = True
         self.ring_commit(ring, None if inside else (key, value))
         return out.transpose(1, 2).contiguous()
 
-    def merge(self, parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
-        """`merge_partials`' output in ``dtype``: on the CPU fast path one numba pass (`fused.merge_partials`)."""
-        if len(parts) > 1 and self.on_cpu_fast_path(parts[0].out):
-            return fused.merge_partials([p.out for p in parts], [p.lse for p in parts])[0].to(dtype)
-        return merge_partials(parts, dtype).out
+    def fast_ring_attend(self, query: torch.Tensor, ctx: StepContext, ring: ExactRing, salient: list,
+                         new: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """`ring_attend`'s attention on the CPU fast path: every part (the ring's tokens with the exact salient
+        ones and ``new``, the step's token when not in the ring; each block's 8-bit salient codes read in place;
+        the middle blocks; the stream) written by its numba kernel into one `fused.StepParts` and merged once."""
+        blocks = self.blocks()
+        grouped = group_queries(query.float(), self.h_kv)
+        parts = fused.StepParts(grouped, ctx.scaling, 2 + len(salient) + len(blocks))
+        ring.attend_into(parts, [tokens.key_values(ring.dtype) for tokens in salient if not tokens.coded], new)
+        for tokens in salient:
+            if tokens.coded:
+                parts.int8(tokens.keys, tokens.values, ring.dtype)
+        for part in self.code_partials(query, ctx, parts):    # a stream the kernels do not read
+            parts.add(group_queries(part.out, self.h_kv), part.lse.reshape(grouped.shape[:3]))
+        return ungroup(parts.merged()[0], query.shape[1]).to(query.dtype)
 
     def decode_ring(self, key: torch.Tensor, ctx: StepContext) -> ExactRing:
         """The ring, packed from the sinks and window stores on the first decode step after anything else;
@@ -396,19 +414,22 @@ class ShardLayer(CacheLayer):
         a time (coefficients from the codes, one batched product with the bases, RoPE, scores) and one
         pass over its value codes (softmax probabilities summed per codeword), no whole key or value
         block materialised; same result as the reference path within float32 rounding."""
-        qg = group_queries(query.float(), self.h_kv)   # the model's order: RoPE pairs as two halves
-        layout = self.run_layout(block)
+        parts = fused.StepParts(group_queries(query.float(), self.h_kv), ctx.scaling, 1)
+        self.fused_middle_into(block, ctx, parts)
+        return Partial.from_grouped(*parts.merged(), query.shape[1])
+
+    def fused_middle_into(self, block: MiddleBlock, ctx: StepContext, parts: fused.StepParts) -> None:
+        """`fused_middle_partial`, written into ``parts`` (its query grouped, in the model's channel order: RoPE
+        pairs as two halves)."""
         factors = self.key_factors(block)
-        scaled, mean = factors.scaled_bases_t(block.keys).transpose(1, 2), factors.mean
         cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
         rows = None if block.kept is None else fused.set_bit_positions(block.kept, block.span)
         hidden = None if block.salient is None else block.salient.index
         k_entries, group = block.v_codebook.shape
-        bins, lse = fused.code_attention(
-            [code.codes for code in block.keys], layout, scaled, mean, cos_t, sin_t, qg, ctx.scaling, hidden,
-            block.v_codes, int(math.log2(k_entries)), self.d // group, halves=True, rows=rows)
-        out = fused.bin_values(bins, block.v_codebook, block.v_scale, self.shared.rotation.matrix(bins.device))
-        return Partial.from_grouped(out, lse, query.shape[1])
+        parts.code([code.codes for code in block.keys], self.run_layout(block),
+                   factors.scaled_bases_t(block.keys).transpose(1, 2), factors.mean, cos_t, sin_t, hidden,
+                   block.v_codes, int(math.log2(k_entries)), self.d // group, rows, block.v_codebook, block.v_scale,
+                   self.shared.rotation.matrix(block.v_codes.device))
 
     def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
         """The block's partial from the Triton kernels (`kernels.shard_code_attention.block_attention`): the

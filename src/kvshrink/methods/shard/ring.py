@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial, group_queries
+from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.store import ExactStore, check_storage
 from kvshrink.codecs import fused
 from kvshrink.kernels.backend import gpu_path, triton_available
@@ -66,13 +66,26 @@ class ExactRing:
         return self.kv[:, :, :, at:at + 1], index
 
     def partial(self, query: torch.Tensor, scaling: float,
-                extra: list[tuple[torch.Tensor, torch.Tensor]] = (), fast: bool = False,
-                new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
+                extra: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> Partial | None:
         """Exact attention of ``query`` over every token held and the ``extra`` keys and values (tokens
-        the query sees all of, in the ring's dtype: attended in the same call), None when there are none.
-        ``fast``: by `codecs.fused.exact_attention` (CPU, numba) rather than `exact_partial`, and then ``new``
-        (the step's own key and value, in any float dtype, not rounded to the ring's) is attended in the same
-        call too (one partial and one merge term fewer than attending it apart)."""
+        the query sees all of, in the ring's dtype: attended in the same call), None when there are none."""
+        keys, values = self._with(extra)
+        return exact_partial(query, keys, values, scaling) if keys.shape[2] else None
+
+    def attend_into(self, parts: fused.StepParts, extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
+                    new: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`partial` on the CPU fast path, written into ``parts``; ``new`` (the step's own key and value, in any
+        float dtype, not rounded to the ring's) attended in the same call (one partial and merge term fewer than
+        attending it apart)."""
+        keys, values = self._with(extra)
+        if new is not None:     # float32 throughout: the ring's rows widened exactly, the new token unrounded
+            keys = torch.cat([keys.float(), new[0].float()], dim=2)
+            values = torch.cat([values.float(), new[1].float()], dim=2)
+        if keys.shape[2]:
+            parts.exact(keys, values)
+
+    def _with(self, extra: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live keys and values, then ``extra``'s (views when there is nothing to add)."""
         live = self.n_sinks + self.count
         if live == self.keys.shape[2]:
             keys, values = self.keys, self.values
@@ -83,15 +96,7 @@ class ExactRing:
         if extra:
             keys = torch.cat([keys, *(k for k, _ in extra)], dim=2)
             values = torch.cat([values, *(v for _, v in extra)], dim=2)
-        if keys.shape[2] == 0 and (new is None or not fast):
-            return None
-        if fast:
-            if new is not None:     # float32 throughout: the ring's rows widened exactly, the new token unrounded
-                keys = torch.cat([keys.float(), new[0].float()], dim=2)
-                values = torch.cat([values.float(), new[1].float()], dim=2)
-            out, lse = fused.exact_attention(group_queries(query.float(), keys.shape[1]), keys, values, scaling)
-            return Partial.from_grouped(out, lse, query.shape[1])
-        return exact_partial(query, keys, values, scaling)
+        return keys, values
 
     def _window_positions(self) -> torch.Tensor:
         """Buffer rows of the window, oldest first."""

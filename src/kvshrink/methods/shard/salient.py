@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial, group_queries
+from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.store import to_storage
-from kvshrink.codecs import fused
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
 from kvshrink.kernels.backend import gpu_path
 
@@ -52,28 +51,21 @@ class SalientTokens:
         return [self.index, self.keys, self.values]
 
 
-def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: float, dtype: torch.dtype,
-                     fast: bool = False) -> list[Partial]:
+def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: float,
+                     dtype: torch.dtype) -> list[Partial]:
     """The attention of ``query [B, H_q, q, d]`` over every block's salient tokens ``held``, which it sees
-    all of (no padding, no future), read in ``dtype``. 8-bit codes are read in place: on the GPU path by one
+    all of (no padding, no future), read in ``dtype``. On the GPU path 8-bit codes are read in place by one
     kernel launch for up to 8 blocks, decoded in registers (no decoded copy in memory, and none of the ~14
-    torch launches per block of decoding its keys and values), on the CPU fast path (``fast``) by one numba
-    pass per block (`codecs.fused.int8_attention`); otherwise one exact partial per block over
-    `SalientTokens.key_values`."""
-    in_place = gpu_path(query) or fast
-    coded = [tokens for tokens in held if tokens.coded and in_place]
-    exact = [tokens for tokens in held if not (tokens.coded and in_place)]
-    if not coded:
-        parts = []
-    elif gpu_path(query):
+    torch launches per block of decoding its keys and values); otherwise one exact partial per block over
+    `SalientTokens.key_values` (the CPU fast path reads 8-bit codes in place too: `fused.StepParts.int8`)."""
+    coded = [tokens for tokens in held if tokens.coded and gpu_path(query)]
+    exact = [tokens for tokens in held if not (tokens.coded and gpu_path(query))]
+    parts = []
+    if coded:
         from kvshrink.kernels.exact_attention import int8_attention
 
         parts = [Partial(out, lse) for out, lse in int8_attention(
             query, [t.keys for t in coded], [t.values for t in coded], scaling, dtype)]
-    else:
-        grouped = group_queries(query.float(), coded[0].index.shape[1])
-        parts = [Partial.from_grouped(*fused.int8_attention(grouped, t.keys, t.values, scaling, dtype), query.shape[1])
-                 for t in coded]
     return parts + [exact_partial(query, *tokens.key_values(dtype), scaling) for tokens in exact]
 
 
