@@ -849,8 +849,11 @@ def scratch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return view
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    # a dozen per layer and decode step: skip the calls that would return the tensor itself
+def _numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    # a dozen per layer and decode step: skip the calls that would return the tensor itself (arrays made once
+    # and kept by the caller pass through)
+    if isinstance(t, np.ndarray):
+        return t
     if t.requires_grad:
         t = t.detach()
     return (t if t.is_contiguous() else t.contiguous()).numpy()
@@ -887,6 +890,7 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
         scaled, mean, query = scaled[..., columns], mean[:, columns], query[..., split]
     scopes = codes.unbind(1) if isinstance(codes, torch.Tensor) else codes
     lse = np.empty((batch, heads, n_rows), np.float32)
+    hidden = None if hidden is None else hidden.to(torch.int32)
     bins = _code_bins(scopes, layout, scaled, mean, cos_t, sin_t, _row_quads(_numpy(query.float()), scaling),
                       hidden, v_codes, v_bits, n_groups, rows, lse)
     return torch.from_numpy(bins)[..., :n_rows].transpose(2, 3), torch.from_numpy(lse)
@@ -902,11 +906,12 @@ def _row_quads(query: np.ndarray, scaling: float) -> np.ndarray:
 
 
 def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
-               q4: np.ndarray, hidden: torch.Tensor | None, v_codes: torch.Tensor, v_bits: int, n_groups: int,
-               rows: torch.Tensor | None, lse: np.ndarray) -> np.ndarray:
+               q4: np.ndarray, hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | None,
+               lse: np.ndarray) -> np.ndarray:
     """`code_attention` (channels as two halves) of the scaled query quads ``q4`` (`_row_quads`) over one block:
     its bins ``[B, H_kv, n_groups * 2**v_bits, 4 * ceil(R / 4)]`` (query rows last), its log-sum-exp written
-    into ``lse [B, H_kv, R]``."""
+    into ``lse [B, H_kv, R]``. The codes (``scopes``, ``v_codes``) and the int32 ``hidden`` rows: tensors or
+    numpy views of them."""
     batch, heads, n_rows = lse.shape
     scopes = [_numpy(c) for c in scopes]
     n_scopes, n = len(scopes), scopes[0].shape[1]
@@ -934,7 +939,7 @@ def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: 
         torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2), out=keys_t)
         block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)
     if hidden is not None and hidden.shape[-1]:
-        _hide(scores, _numpy(hidden.to(torch.int32)))
+        _hide(scores, _numpy(hidden))
     _softmax_rows(scores.reshape(batch * heads * n_rows, n), lse.reshape(-1))  # one pass a row, not three torch ops
     value_bins(scores, _numpy(v_codes), v_bits, n_groups, bins)
     return bins
@@ -976,23 +981,22 @@ def int8_attention(query: torch.Tensor, keys, values, scaling: float, dtype: tor
     are decoded as ``dequantize_groups(code).to(dtype)`` gives them (rounded to ``dtype``'s mantissa; values
     under float16's normal range, below 6.1e-5, rounded relative to themselves)."""
     out, lse = _outputs(query.shape)
-    _int8_into(_numpy(query.float()), keys, values, np.float32(scaling), dtype, out, lse)
+    _int8_into(_numpy(query.float()), int8_arrays(keys), int8_arrays(values), np.float32(scaling), dtype, out, lse)
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
-def _int8_into(query: np.ndarray, keys, values, scaling: np.float32, dtype: torch.dtype, out: np.ndarray,
-               lse: np.ndarray) -> None:
-    if keys.bits != 8 or values.bits != 8:
-        raise ValueError(f"int8_attention reads 8-bit codes, got {keys.bits} and {values.bits} bits")
+def int8_arrays(code) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An 8-bit `codecs.groupwise.GroupCode` as numpy views (no copy), as `int8_attention`'s kernel reads it: codes
+    ``[..., groups, group]`` uint8, the float16 steps and zero points as uint16 words ``[..., groups]``."""
+    if code.bits != 8:
+        raise ValueError(f"int8_attention reads 8-bit codes, got {code.bits} bits")
+    codes = code.codes.reshape(*code.scale.shape, code.group_size)
+    return _numpy(codes), *(_numpy(x.view(torch.int16)).view(np.uint16) for x in (code.scale, code.zero))
 
-    def parts(code):
-        shape = code.scale.shape
-        codes = code.codes.reshape(*shape, code.group_size)
-        halves = [_numpy(x.view(torch.int16)).view(np.uint16) for x in (code.scale, code.zero)]
-        return _numpy(codes), *halves
 
-    _int8_attention(query, *parts(keys), *parts(values), _HALF_POW2, np.float32(_SPLIT.get(dtype, 1.0)), scaling,
-                    out, lse)
+def _int8_into(query: np.ndarray, keys: tuple, values: tuple, scaling: np.float32, dtype: torch.dtype,
+               out: np.ndarray, lse: np.ndarray) -> None:
+    _int8_attention(query, *keys, *values, _HALF_POW2, np.float32(_SPLIT.get(dtype, 1.0)), scaling, out, lse)
 
 
 def set_bit_positions(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -1123,8 +1127,8 @@ class StepParts:
         """`exact_attention` over ``keys/values [B, H_kv, m, d]`` (any float dtype)."""
         _exact_into(self.query, keys, values, self.scaling, *self._next())
 
-    def int8(self, keys, values, dtype: torch.dtype) -> None:
-        """`int8_attention` over 8-bit codes ``keys/values``, decoded as ``dtype`` rounds them."""
+    def int8(self, keys: tuple, values: tuple, dtype: torch.dtype) -> None:
+        """`int8_attention` over 8-bit codes ``keys/values`` (`int8_arrays`), decoded as ``dtype`` rounds them."""
         _int8_into(self.query, keys, values, self.scaling, dtype, *self._next())
 
     def turbo(self, turbo, keys, values) -> None:
@@ -1132,15 +1136,19 @@ class StepParts:
         _turbo_into(turbo, self.query, keys, values, self.scaling, *self._next())
 
     def code(self, scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
-             hidden: torch.Tensor | None, v_codes: torch.Tensor, v_bits: int, n_groups: int, rows: torch.Tensor | None,
-             codebook: torch.Tensor, v_scale: torch.Tensor, rotation: torch.Tensor) -> None:
-        """`code_attention` (``halves=True``) then `bin_values`: a coded block's partial."""
+             hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | None, codebook: torch.Tensor,
+             v_scale: torch.Tensor, rotation: torch.Tensor) -> None:
+        """`code_attention` (``halves=True``; the codes and the int32 ``hidden`` rows as tensors or numpy views) then
+        `bin_values`: a coded block's partial."""
         if self._quads is None:
             self._quads = _row_quads(self.query, self.scaling)
         out, lse = self._next()
         bins = _code_bins(scopes, layout, scaled, mean, cos_t, sin_t, self._quads, hidden, v_codes, v_bits, n_groups,
                           rows, lse)
-        _values_into(bins[..., :lse.shape[-1]].transpose(0, 1, 3, 2), codebook, v_scale, rotation, out)
+        # one row after another for the value pass (its dot products run along the codewords): a copy of ~150 KB
+        # at 2K tokens, cheaper than reading the rows-last layout in place (strided sums, 10x slower measured)
+        _values_into(np.ascontiguousarray(bins[..., :lse.shape[-1]].transpose(0, 1, 3, 2)), codebook, v_scale, rotation,
+                     out)
 
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """A part computed elsewhere: grouped ``out [B, H_kv, R, d]``, ``lse [B, H_kv, R]``."""

@@ -20,7 +20,8 @@ from kvshrink.codecs.vq import assign_codes, fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.methods.shard.ring import ExactRing
 from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
-from kvshrink.methods.shard.segments import BasisFactors, EvictedTokens, MiddleBlock, TurboSegment, stack_scopes
+from kvshrink.methods.shard.segments import (BasisFactors, BlockArrays, EvictedTokens, MiddleBlock, TurboSegment,
+                                             stack_scopes)
 from kvshrink.methods.shard.shared import ShardShared
 
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
@@ -207,10 +208,10 @@ class ShardLayer(CacheLayer):
         inside = ring.slots > self.cfg.window
         if inside:
             ring.put(key, value)
-        salient = [block.salient for block in self.middle if block.salient is not None]
         if self.on_cpu_fast_path(query):
-            out = self.fast_ring_attend(query, ctx, ring, salient, None if inside else (key, value))
+            out = self.fast_ring_attend(query, ctx, ring, None if inside else (key, value))
         else:
+            salient = [block.salient for block in self.middle if block.salient is not None]
             # 8-bit salient codes are read in place on the GPU path (one kernel, not a dozen torch ops decoding
             # them); on CPU they are attended with the ring's tokens in one call (a few dozen rows per block: one
             # kernel and one partial fewer per block)
@@ -225,18 +226,19 @@ class ShardLayer(CacheLayer):
         self.ring_commit(ring, None if inside else (key, value))
         return out.transpose(1, 2).contiguous()
 
-    def fast_ring_attend(self, query: torch.Tensor, ctx: StepContext, ring: ExactRing, salient: list,
+    def fast_ring_attend(self, query: torch.Tensor, ctx: StepContext, ring: ExactRing,
                          new: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """`ring_attend`'s attention on the CPU fast path: every part (the ring's tokens with the exact salient
         ones and ``new``, the step's token when not in the ring; each block's 8-bit salient codes read in place;
         the middle blocks; the stream) written by its numba kernel into one `fused.StepParts` and merged once."""
-        blocks = self.blocks()
+        held = [block for block in self.middle if block.salient is not None]
         grouped = group_queries(query.float(), self.h_kv)
-        parts = fused.StepParts(grouped, ctx.scaling, 2 + len(salient) + len(blocks))
-        ring.attend_into(parts, [tokens.key_values(ring.dtype) for tokens in salient if not tokens.coded], new)
-        for tokens in salient:
-            if tokens.coded:
-                parts.int8(tokens.keys, tokens.values, ring.dtype)
+        parts = fused.StepParts(grouped, ctx.scaling, 2 + len(held) + len(self.blocks()))
+        exact = [block.salient.key_values(ring.dtype) for block in held if not block.salient.coded]
+        ring.attend_into(parts, exact, new)
+        for block in held:
+            if block.salient.coded:
+                parts.int8(*self.block_arrays(block).salient, ring.dtype)
         for part in self.code_partials(query, ctx, parts):    # a stream the kernels do not read
             parts.add(group_queries(part.out, self.h_kv), part.lse.reshape(grouped.shape[:3]))
         return ungroup(parts.merged()[0], query.shape[1]).to(query.dtype)
@@ -421,15 +423,22 @@ class ShardLayer(CacheLayer):
     def fused_middle_into(self, block: MiddleBlock, ctx: StepContext, parts: fused.StepParts) -> None:
         """`fused_middle_partial`, written into ``parts`` (its query grouped, in the model's channel order: RoPE
         pairs as two halves)."""
-        factors = self.key_factors(block)
+        factors, arrays = self.key_factors(block), self.block_arrays(block)
         cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
         rows = None if block.kept is None else fused.set_bit_positions(block.kept, block.span)
-        hidden = None if block.salient is None else block.salient.index
         k_entries, group = block.v_codebook.shape
-        parts.code([code.codes for code in block.keys], self.run_layout(block),
-                   factors.scaled_bases_t(block.keys).transpose(1, 2), factors.mean, cos_t, sin_t, hidden,
-                   block.v_codes, int(math.log2(k_entries)), self.d // group, rows, block.v_codebook, block.v_scale,
+        parts.code(arrays.scopes, self.run_layout(block), factors.scaled_bases_t(block.keys).transpose(1, 2),
+                   factors.mean, cos_t, sin_t, arrays.hidden, arrays.v_codes, int(math.log2(k_entries)),
+                   self.d // group, rows, block.v_codebook, block.v_scale,
                    self.shared.rotation.matrix(block.v_codes.device))
+
+    def block_arrays(self, block: MiddleBlock) -> BlockArrays:
+        """Numpy views of what the CPU fast path's kernels read of ``block`` (`BlockArrays`), made on first use
+        and kept on the block (`MiddleBlock.derived`): a few calls each per layer and step otherwise."""
+        derived = block.derived
+        if derived.arrays is None:
+            derived.arrays = BlockArrays.of(block)
+        return derived.arrays
 
     def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
         """The block's partial from the Triton kernels (`kernels.shard_code_attention.block_attention`): the

@@ -5,11 +5,13 @@ TurboQuant decode stream)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from kvshrink.cache.base import StepContext
+from kvshrink.codecs import fused
 from kvshrink.codecs.bitpack import unpack_bits
 from kvshrink.codecs.lloyd_max import TurboCode
 from kvshrink.codecs.pca import PCACode, stack_fields
@@ -26,6 +28,7 @@ class BlockDerived:
     table_bound: float | None = None  # the reference decoder's table bound (a float of the codes alone)
     rows: torch.Tensor | None = None  # `MiddleBlock.rows` on the block's device (found with a sync, once)
     gpu: Any = None           # `kernels.shard_code_attention.BlockInputs` (the GPU path's kernel inputs)
+    arrays: Any = None        # `ShardLayer.block_arrays`: numpy views of the codes (the CPU fast path's; no bytes)
 
     def runs_nbytes(self) -> int:
         return 0 if self.runs is None else self.runs.nbytes()
@@ -74,6 +77,30 @@ class BasisFactors:
     def nbytes(self) -> int:
         parts = [self.factor, self.mean] + ([] if self.column is None else [self.column])
         return sum(t.numel() * t.element_size() for t in parts)
+
+
+class BlockArrays(NamedTuple):
+    """Numpy views of a block's codes as the CPU fast path's kernels read them: the PCA scopes' key codes, the
+    value codes, the int32 rows held apart (or None) and the 8-bit salient keys' and values' `fused.int8_arrays`
+    (or None). Views share the block's memory: they hold no bytes of their own (`of` refuses a copy)."""
+
+    scopes: list
+    v_codes: np.ndarray
+    hidden: np.ndarray | None
+    salient: tuple | None
+
+    @classmethod
+    def of(cls, block: "MiddleBlock") -> "BlockArrays":
+        def view(t: torch.Tensor) -> np.ndarray:
+            if not t.is_contiguous():
+                raise ValueError(f"a block's codes must be contiguous to be read in place, got strides {t.stride()}")
+            return t.detach().numpy()
+
+        held = block.salient
+        coded = held is not None and held.coded
+        return cls([view(code.codes) for code in block.keys], view(block.v_codes),
+                   None if held is None else view(held.index.to(torch.int32)),   # int32 already: no copy
+                   (fused.int8_arrays(held.keys), fused.int8_arrays(held.values)) if coded else None)
 
 
 @dataclass
