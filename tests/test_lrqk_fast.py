@@ -291,8 +291,9 @@ def test_unpadded_row_attends_without_a_mask_once_the_slots_hold_only_the_select
 def test_proxy_selection_in_one_pass_equals_softmax_sum_and_topk(padded):
     """`lowrank_fused.proxy_top_k` (the CPU fast path's selection) against the torch ops it replaces: scaled
     logits, padding hidden, softmax per query row, mass summed per KV row, `top_k_in_token_order`. The same
-    tokens in the same (token) order and masses within float32 rounding, with both kernel variants; a KV row
-    whose candidates are all padding gets no mass."""
+    tokens in the same (token) order, ties included (the latest taken: never padding before a real token), and
+    masses within float32 rounding, with both kernel variants; a KV row whose candidates are all padding gets no
+    mass."""
     from kvshrink.methods.lrqk import top_k_in_token_order
 
     g = torch.Generator().manual_seed(3)
@@ -309,26 +310,33 @@ def test_proxy_selection_in_one_pass_equals_softmax_sum_and_topk(padded):
         runs.append(lowrank_fused.proxy_top_k(logits.clone(), scaling, first, kv_rows, k))
     for selected, top_mass, all_mass in runs:
         torch.testing.assert_close(all_mass, mass, rtol=1e-5, atol=1e-7)
-        assert torch.equal(selected[:2], want[:2])
-        if padded:   # one visible candidate: it, then the first of the tied others (torch takes any)
-            assert 299 in selected[2].tolist() and selected[2, :k - 1].tolist() == list(range(k - 1))
-        else:
-            assert torch.equal(selected, want)
+        assert torch.equal(selected, want)
+        if padded:   # one visible candidate: it and the latest of the tied (zero-mass) others
+            assert selected[2].tolist() == list(range(n - k, n))
         assert bool((selected.diff(dim=1) > 0).all())
         torch.testing.assert_close(top_mass, all_mass.gather(1, selected), rtol=0, atol=0)
-    if padded:   # no candidate visible: no mass, and the first k tokens (ties, by index)
-        assert float(runs[0][2][3].abs().sum()) == 0 and torch.equal(runs[0][0][3], torch.arange(k))
+    if padded:   # no candidate visible: no mass, and the last k tokens (ties, the latest)
+        assert float(runs[0][2][3].abs().sum()) == 0 and torch.equal(runs[0][0][3], torch.arange(n - k, n))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
 def test_proxy_selection_ranks_ties_by_token_and_nan_first():
-    """Ties with the k-th value are taken by token order; a NaN logit gives its candidate no mass (the softmax's
-    exp is 0 for it; torch's softmax would make the whole row NaN); k equal to the candidates takes them all."""
+    """Ties with the k-th value are taken latest first, by both paths; a NaN logit gives its candidate no mass (the
+    softmax's exp is 0 for it; torch's softmax would make the whole row NaN); k equal to the candidates takes them
+    all."""
+    from kvshrink.methods.lrqk import top_k_in_token_order
+
     logits = torch.zeros(1, 6)     # equal logits: every candidate has the same mass
     selected, _, _ = lowrank_fused.proxy_top_k(logits.clone(), 1.0, None, 1, 3)
-    assert selected.tolist() == [[0, 1, 2]]
+    assert selected.tolist() == [[3, 4, 5]]
+    assert top_k_in_token_order(torch.ones(1, 6), 3, "lru")[1].tolist() == [[3, 4, 5]]
+    mass = torch.tensor([[0.5, 0.0, 0.2, 0.0, 0.0, 0.2, 0.1]])   # the k-th value (0.0) tied three times
+    for policy in ("lru", "set"):
+        assert top_k_in_token_order(mass, 5, policy)[1].tolist() == [[0, 2, 4, 5, 6]]
+    selected, _, _ = lowrank_fused.proxy_top_k(torch.tensor([[0.0, -200, 0.0, -200, -200, -1.0, -2.0]]), 1.0, None, 1, 5)
+    assert selected.tolist() == [[0, 2, 4, 5, 6]]     # exp(-200) is 0 in float32: tied at zero
     logits = torch.tensor([[0.0, 1.0, float("nan"), 2.0, 0.5]])
     selected, _, mass = lowrank_fused.proxy_top_k(logits.clone(), 1.0, None, 1, 2)
     assert float(mass[0, 2]) == 0 and selected.tolist() == [[1, 3]]

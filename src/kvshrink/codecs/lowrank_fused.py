@@ -292,18 +292,20 @@ if fused.available():
 
     @njit(cache=True)
     def _top_k(mass, k, selected, top_mass):  # pragma: no cover - compiled
-        """The ``k`` largest of ``mass [n]`` (NaN ranked as +inf; of values tied with the k-th, the first ones):
-        their indices into ``selected [k]`` in index order, their values into ``top_mass [k]``."""
+        """The ``k`` largest of ``mass [n]`` (NaN ranked as +inf; of values tied with the k-th, the last ones, as
+        `lrqk.top_k_in_token_order` takes them): their indices into ``selected [k]`` in index order, their values
+        into ``top_mass [k]``."""
         ranked = _ranked(mass)
         kth = _kth_largest(ranked.copy(), k)
-        ties = k
+        skip = -k                 # tied values passed over, the earliest: (above + tied) - k
         for t in range(mass.shape[0]):
-            ties -= ranked[t] > kth
+            skip += ranked[t] >= kth
         c = 0
         for t in range(mass.shape[0]):
             v = ranked[t]
-            if v > kth or (v == kth and ties > 0):
-                ties -= v == kth
+            if v == kth and skip > 0:
+                skip -= 1
+            elif v >= kth:
                 selected[c] = t
                 c += 1
         for j in range(k):
@@ -393,9 +395,8 @@ def proxy_top_k(logits: torch.Tensor, scaling: float, first: torch.Tensor | None
     query rows of each KV row together, unscaled, overwritten) scaled, the candidates before ``first [kv_rows]``
     hidden (left padding; None: none), softmaxed per row, summed per KV row into its estimated mass, and the
     ``k`` largest taken. Returns ``(selected [kv_rows, k] int64, top_mass [kv_rows, k], mass [kv_rows, n])``: what
-    ``softmax``, ``sum`` and ``lrqk.top_k_in_token_order`` give, up to float rounding and which of values tied
-    with the k-th are taken (the first here); a NaN logit gives its candidate no mass (torch's softmax would
-    give the whole row NaN)."""
+    ``softmax``, ``sum`` and ``lrqk.top_k_in_token_order`` give, up to float rounding (the same tie rule); a NaN
+    logit gives its candidate no mass (torch's softmax would give the whole row NaN)."""
     n = logits.shape[1]
     starts = np.zeros(kv_rows, np.int64) if first is None else _numpy_long(first)
     selected = np.empty((kv_rows, k), np.int64)

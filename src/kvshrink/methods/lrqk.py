@@ -790,16 +790,28 @@ class LRQKLayer(CacheLayer):
 
 
 def top_k_in_token_order(mass: torch.Tensor, k: int, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(mass, k)`` along the last dim, the selection in token order under the ``lru`` and
-    ``attention`` policies: which slot a missing token takes follows this order, and their later evictions
-    follow the slots, so every path orders it the same way (``sorted=False`` leaves the order to the device's
-    kernel). Under ``set`` every slot not selected is free, and the order changes where tokens lie, not which
-    are held: no sort (two launches a layer less on the GPU path)."""
-    top_mass, selected = torch.topk(mass, k, dim=-1, sorted=False)
-    if policy == "set":
-        return top_mass, selected
-    selected, order = selected.sort(dim=-1)
-    return top_mass.gather(-1, order), selected
+    """The ``k`` largest of ``mass`` along the last dim (NaN ranked above everything, as ``torch.topk`` ranks it)
+    and their indices, in token order under the ``lru`` and ``attention`` policies: which slot a missing token
+    takes follows this order, and their later evictions follow the slots, so every path orders it the same way.
+
+    Of the values tied with the k-th, the CPU paths take the latest tokens (`lowrank_fused.proxy_top_k` follows the
+    same rule; ``torch.topk`` leaves it to the device's kernel, and two CPUs were seen to differ): the reference
+    and the fast path select the same tokens, and a real token whose proxy mass underflowed to zero is never
+    passed over for left padding. The GPU path keeps ``torch.topk``'s choice among ties (the rule costs ~14
+    launches a layer in torch ops; under ``set`` it does not even sort: every slot not selected is free)."""
+    if gpu_path(mass):
+        top_mass, selected = torch.topk(mass, k, dim=-1, sorted=False)
+        if policy == "set":
+            return top_mass, selected
+        selected, order = selected.sort(dim=-1)
+        return top_mass.gather(-1, order), selected
+    ranked = mass.nan_to_num(nan=float("inf"))
+    kth = torch.topk(ranked, k, dim=-1).values[..., -1:]
+    above, tied = ranked > kth, ranked == kth
+    from_end = tied.flip(-1).cumsum(-1).flip(-1)          # tied values at this index or later
+    take = above | (tied & (from_end <= k - above.sum(-1, keepdim=True)))
+    selected = torch.sort(take.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :k]
+    return mass.gather(-1, selected), selected
 
 
 def _kernel_basis(basis: torch.Tensor) -> torch.Tensor:
