@@ -37,15 +37,18 @@ def timed(name, fn):
 
 
 layer_cls = shard_layer.ShardLayer
-for name in ("attend", "code_partials", "fused_middle_partial", "reference_middle_partials", "stream_partial",
-             "ring_commit", "key_factors"):
+for name in ("attend", "fast_ring_attend", "code_partials", "fused_middle_into", "reference_middle_partials",
+             "stream_partial", "ring_commit", "key_factors"):
     setattr(layer_cls, name, timed(name, getattr(layer_cls, name)))
+# the CPU fast path's parts (`fused.StepParts`); the generic path's partial and merge
+shard_ring.ExactRing.attend_into = timed("exact part (sinks, window, salient)", shard_ring.ExactRing.attend_into)
 shard_ring.ExactRing.partial = timed("exact partial (sinks, window, salient)", shard_ring.ExactRing.partial)
 shard_ring.ExactRing.put = timed("ring.put", shard_ring.ExactRing.put)
 for name in ("salient_partials", "merge_partials"):
     setattr(shard_layer, name, timed(name, getattr(shard_layer, name)))
-for name in ("code_attention", "bin_values", "turbo_attention"):
+for name in ("_code_bins", "_values_into", "_turbo_into", "_int8_into", "_exact_into"):
     setattr(fused, name, timed(f"fused.{name}", getattr(fused, name)))
+fused.StepParts.merged = timed("fused.StepParts.merged", fused.StepParts.merged)
 
 backend = KVShrinkBackend(None)
 model, tokenizer = backend.load_model()

@@ -125,20 +125,19 @@ def test_the_coefficient_decoder_reads_every_run_layout():
             plan = run_layout(codes)
             rank = max(c.rank for c in codes)
             lut = fused.byte_levels(levels, (2, 4, 6, 8))
-            coef = torch.full((len(codes), 2, 45, rank + fused._SPARE + rank % 2), float("nan"))
-            for s, code in enumerate(codes):
-                for b in range(2):
-                    out = coef[s, b].numpy()
-                    fused._decode_levels(code.codes[b].numpy(), plan.runs[s], plan.run_counts[s], lut,
-                                         lut.view(np.int64), 5, out, out.view(np.int64))
-            coef = coef[..., :rank]  # the spare columns are never read
             scaled, mean = scaled_bases(codes)
-            for s, code in enumerate(codes):
-                want = torch.cat([code.run_levels(run, 5, 50, torch.float32) for run in code.runs], dim=-1)
-                torch.testing.assert_close(coef[s, :, :, :code.rank], want, rtol=0, atol=0)
-                assert not coef[s, :, :, code.rank:].any()
-                keys = mean[s] + coef[s] @ scaled[s]
-                torch.testing.assert_close(keys, code.decode()[:, 5:], atol=1e-5, rtol=1e-5)
+            for decode in (fused._decode_scopes, fused._decode_scopes_parallel):     # every scope and row at once
+                coef = torch.full((len(codes), 2, 45, rank + fused._SPARE + rank % 2), float("nan"))
+                out = coef.numpy()
+                decode(tuple(code.codes.numpy() for code in codes), plan.runs, plan.run_counts, lut,
+                       lut.view(np.int64), 5, out, out.view(np.int64))
+                coef = coef[..., :rank]  # the spare columns are never read
+                for s, code in enumerate(codes):
+                    want = torch.cat([code.run_levels(run, 5, 50, torch.float32) for run in code.runs], dim=-1)
+                    torch.testing.assert_close(coef[s, :, :, :code.rank], want, rtol=0, atol=0)
+                    assert not coef[s, :, :, code.rank:].any()
+                    keys = mean[s] + coef[s] @ scaled[s]
+                    torch.testing.assert_close(keys, code.decode()[:, 5:], atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_option_is_validated_and_without_numba_the_torch_ops_decode(monkeypatch):

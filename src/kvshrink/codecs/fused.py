@@ -93,7 +93,11 @@ def byte_levels(kind: str, widths: tuple[int, ...]) -> np.ndarray:
 if numba is not None:
     @njit(fastmath=_FASTMATH, inline="always")
     def _decode_rows(codes, runs, n_runs, lut, lut64, first, out, out64, lo, hi):  # pragma: no cover - compiled
-        # `_decode_levels` of out's rows lo .. hi-1
+        # rows lo .. hi-1 of tokens first .. first+m-1 of one scope's codes [n, bytes] -> out [m, r + spare]: each
+        # component's unit level, exactly the components' columns written (out64: out as 8-byte words, two levels at
+        # once where a 4- or 2-bit run starts at an even column); zeros past the runs. Run by run, every token in
+        # each: the loops over a run's bytes then have one body and one trip count (token by token, with a branch
+        # per run inside, took twice as long at 8K)
         rank = out.shape[1] - _SPARE
         top = 0
         for k in range(n_runs):
@@ -150,21 +154,24 @@ if numba is not None:
                 out[i, j] = 0.0
 
     @njit(cache=True, fastmath=_FASTMATH)
-    def _decode_levels(codes, runs, n_runs, lut, lut64, first, out, out64):  # pragma: no cover - compiled
-        # tokens first .. first+m-1 of one scope's codes [n, bytes] -> out [m, r + spare]: each component's unit
-        # level, exactly the components' columns written (out64: out as 8-byte words, two levels at once where a
-        # 4- or 2-bit run starts at an even column); zeros past the runs. Run by run, every token in each: the
-        # loops over a run's bytes then have one body and one trip count (token by token, with a branch per run
-        # inside, took twice as long at 8K)
-        _decode_rows(codes, runs, n_runs, lut, lut64, first, out, out64, 0, out.shape[0])
+    def _decode_scopes(scopes, runs, n_runs, lut, lut64, first, out, out64):  # pragma: no cover - compiled
+        # `_decode_rows` of every scope (a tuple of codes [B, n, bytes]) and batch row: out [S, B, m, r + spare]
+        # (one call per slice of the block, not one per scope and row)
+        for s in range(len(scopes)):
+            for b in range(out.shape[1]):
+                _decode_rows(scopes[s][b], runs[s], n_runs[s], lut, lut64, first, out[s, b], out64[s, b], 0,
+                             out.shape[2])
 
     @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-    def _decode_levels_parallel(codes, runs, n_runs, lut, lut64, first, out, out64):  # pragma: no cover - compiled
-        # `_decode_levels`, rows in _DECODE_CHUNK-row chunks on numba's threads
-        m = out.shape[0]
-        for chunk in numba.prange((m + _DECODE_CHUNK - 1) // _DECODE_CHUNK):
-            lo = chunk * _DECODE_CHUNK
-            _decode_rows(codes, runs, n_runs, lut, lut64, first, out, out64, lo, min(m, lo + _DECODE_CHUNK))
+    def _decode_scopes_parallel(scopes, runs, n_runs, lut, lut64, first, out, out64):  # pragma: no cover
+        # `_decode_scopes`, each scope's and row's tokens in _DECODE_CHUNK-token chunks on numba's threads
+        n_scopes, batch, m = out.shape[0], out.shape[1], out.shape[2]
+        chunks = (m + _DECODE_CHUNK - 1) // _DECODE_CHUNK
+        for job in numba.prange(n_scopes * batch * chunks):
+            s, rest = job // (batch * chunks), job % (batch * chunks)
+            b, lo = rest // chunks, (rest % chunks) * _DECODE_CHUNK
+            _decode_rows(scopes[s][b], runs[s], n_runs[s], lut, lut64, first, out[s, b], out64[s, b], lo,
+                         min(m, lo + _DECODE_CHUNK))
 
     @njit(cache=True, fastmath=_FASTMATH, inline="always")
     def _pair_scores(re_row, im_row, re_mean, im_mean, c, s, q, p, half, acc, w):  # pragma: no cover - compiled
@@ -913,7 +920,7 @@ def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: 
     into ``lse [B, H_kv, R]``. The codes (``scopes``, ``v_codes``) and the int32 ``hidden`` rows: tensors or
     numpy views of them."""
     batch, heads, n_rows = lse.shape
-    scopes = [_numpy(c) for c in scopes]
+    scopes = tuple(_numpy(c) for c in scopes)
     n_scopes, n = len(scopes), scopes[0].shape[1]
     heads_per_scope = heads // n_scopes
     rank = scaled.shape[1]
@@ -925,16 +932,14 @@ def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: 
     lut = byte_levels(layout.level_kind, layout.widths)
     lut64 = lut.view(np.int64)                       # a byte's levels as 8-byte words
     parallel = _use_threads()
-    decode_levels = _decode_levels_parallel if parallel else _decode_levels
+    decode_scopes = _decode_scopes_parallel if parallel else _decode_scopes
     block_scores = _block_scores_parallel if parallel else _block_scores
     value_bins = _value_bins_parallel if parallel else _value_bins
     for first in range(0, n, _SLICE):
         m = min(_SLICE, n - first)
         levels = scratch("levels", (n_scopes, batch, m, rank + _SPARE + rank % 2))
-        for s, (code, out) in enumerate(zip(scopes, levels.numpy())):
-            for b in range(batch):
-                decode_levels(code[b], layout.runs[s], layout.run_counts[s], lut, lut64, first, out[b],
-                               out[b].view(np.int64))
+        out = levels.numpy()
+        decode_scopes(scopes, layout.runs, layout.run_counts, lut, lut64, first, out, out.view(np.int64))
         keys_t = scratch("keys", (n_scopes, basis_t.shape[1], batch * m))
         torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2), out=keys_t)
         block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)
