@@ -82,7 +82,8 @@ class BasisFactors:
 class BlockArrays(NamedTuple):
     """Numpy views of a block's codes as the CPU fast path's kernels read them: the PCA scopes' key codes, the
     value codes, the int32 rows held apart (or None) and the 8-bit salient keys' and values' `fused.int8_arrays`
-    (or None). Views share the block's memory: they hold no bytes of their own (`of` refuses a copy)."""
+    (or None). Views share the block's memory: they hold no bytes of their own (`of` refuses non-contiguous key and
+    value codes, which would be copied; the held rows are stored int32 and the salient codes contiguous)."""
 
     scopes: list
     v_codes: np.ndarray
@@ -99,7 +100,7 @@ class BlockArrays(NamedTuple):
         held = block.salient
         coded = held is not None and held.coded
         return cls([view(code.codes) for code in block.keys], view(block.v_codes),
-                   None if held is None else view(held.index.to(torch.int32)),   # int32 already: no copy
+                   None if held is None else view(held.index),
                    (fused.int8_arrays(held.keys), fused.int8_arrays(held.values)) if coded else None)
 
 
