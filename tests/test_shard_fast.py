@@ -278,6 +278,70 @@ def test_the_one_pass_exact_attention_equals_exact_partial(dtype):
     torch.testing.assert_close(ungroup(lse, 9), want.lse.float(), atol=2e-6, rtol=1e-6)
 
 
+def test_every_float16_word_decodes_as_torch_converts_it():
+    """`fused._half_float` (the ring's and the stream norms' float16 words read in the kernels) == torch's float16 to
+    float32 conversion for all 65,536 words: zeros, subnormals, normals, infinities, NaNs."""
+    words = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    want = words.view(torch.float16).float().numpy()
+    got = np.array([fused._half_float(w, fused._HALF_POW2) for w in words.view(torch.int16).numpy().view(np.uint16)],
+                   np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("live,new", [(70, True), (70, False), (41, True), (0, True)])
+def test_the_ring_read_from_its_words_equals_exact_partial(dtype, live, new):
+    """`StepParts.ring` (a 16-bit ring's first ``live`` rows read in place from its words, the step's float32 token
+    attended in the same call) == `exact_partial` over the ring's rows widened to float32 and the new token."""
+    from kvshrink.cache.attention import exact_partial, group_queries, ungroup
+
+    g = torch.Generator().manual_seed(live)
+    kv = torch.randn(2, 2, 3, 70, 16, generator=g)
+    kv[:, :, :, ::7] *= torch.logspace(-7, 0, 16)          # every 7th token's rows with subnormals, one with a zero
+    kv[0, 1, 2, 14, 3] = 0.0
+    kv = kv.to(dtype)
+    token = torch.randn(2, 2, 3, 1, 16, generator=g)
+    query = torch.randn(2, 9, 1, 16, generator=g)
+    keys, values = kv[0, :, :, :live].float(), kv[1, :, :, :live].float()
+    if new:
+        keys, values = torch.cat([keys, token[0]], dim=2), torch.cat([values, token[1]], dim=2)
+    want = exact_partial(query, keys, values, 0.25)
+    parts = fused.StepParts(group_queries(query, 3), 0.25, 1)
+    parts.ring(fused.ring_words(kv), live, dtype, (token[0], token[1]) if new else None)
+    out, lse = parts.merged()
+    torch.testing.assert_close(ungroup(out, 9), want.out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ungroup(lse, 9), want.lse, atol=2e-6, rtol=1e-6)
+
+
+def test_the_stream_read_in_its_buffer_equals_the_compact_codes():
+    """`StepParts.turbo` over `turbo_arrays` views of a stream buffer's first ``n`` tokens (strided: capacity past
+    ``n``) == `turbo_attention` over the same codes made compact; a norm beyond float16's range (inf) scores as
+    the torch ops score it."""
+    from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
+    from kvshrink.methods.shard.layer import _softmax_part
+
+    g = torch.Generator().manual_seed(5)
+    turbo = TurboQuantizer(16, 4, seed=3)
+    keys, values = (turbo.encode(torch.randn(2, 3, 7, 16, generator=g)) for _ in range(2))
+    buffer = TurboCode(norm=torch.zeros(2, 2, 3, 12, dtype=torch.float16),
+                       codes=torch.zeros(2, 2, 3, 12, 8, dtype=torch.uint8))
+    for i, code in enumerate((keys, values)):
+        buffer.norm[i, :, :, :7], buffer.codes[i, :, :, :7] = code.norm, code.codes
+    codes, norm = fused.turbo_arrays(buffer)
+    query = torch.randn(2, 3, 4, 16, generator=g)
+    parts = fused.StepParts(query, 0.25, 1)
+    parts.turbo(turbo, (codes[0, ..., :7, :], norm[0, ..., :7]), (codes[1, ..., :7, :], norm[1, ..., :7]))
+    out, lse = parts.merged()
+    want_out, want_lse = fused.turbo_attention(turbo, query, keys, values, 0.25)
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
+    values.norm[0, 0, 2] = float("inf")
+    out, _ = fused.turbo_attention(turbo, query, keys, values, 0.25)
+    probs, _ = _softmax_part(turbo.inner_products(query, keys) * 0.25)
+    torch.testing.assert_close(out, turbo.weighted_sum(probs, values), atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert not torch.isfinite(out[0, 0]).all()
+
+
 def numba_threads() -> int:
     import numba
 

@@ -57,6 +57,7 @@ _SPARE = 4
 # Rows of coefficients a thread decodes at once (a slice in a few chunks: each thread's share stays contiguous).
 _DECODE_CHUNK = 256
 _NO_ROWS = np.zeros(0, np.int64)
+_NO_TOKENS = np.zeros((1, 1, 0, 1), np.float32)
 # No fastmath "nnan"/"ninf": masked scores are -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -305,6 +306,30 @@ if numba is not None:
         return -value if bits & 0x8000 else value
 
     @njit(inline="always")
+    def _half_float(bits, pow2):  # pragma: no cover - compiled
+        # `_half_value` for any float16 word: exponent 31 is inf (mantissa 0) or NaN
+        if (bits >> 10) & 31 == 31:
+            value = np.float32(np.inf) if bits & 1023 == 0 else np.float32(np.nan)
+            return -value if bits & 0x8000 else value
+        return _half_value(bits, pow2)
+
+    @njit(inline="always")
+    def _half_row(words, bits, pow2):  # pragma: no cover - compiled
+        # float16 words -> the float32 bits of their values: every word by the normal-range formula in one
+        # vectorised pass (exponent rebiased, mantissa shifted), then word by word (`_half_float`) if any is a
+        # zero, a subnormal, an infinity or a NaN
+        outside = False
+        for j in range(words.shape[0]):
+            w = np.uint32(words[j])
+            exponent = w & 0x7C00
+            outside |= (exponent == 0) | (exponent == 0x7C00)
+            bits[j] = ((w & 0x8000) << 16) | (((w & 0x7FFF) + 0x1C000) << 13)
+        if outside:
+            values = bits.view(np.float32)
+            for j in range(words.shape[0]):
+                values[j] = _half_float(words[j], pow2)
+
+    @njit(inline="always")
     def _rounded(x, split):  # pragma: no cover - compiled (no fastmath: the split must not be reassociated)
         # x rounded to nearest with the mantissa of the exact dtype (Veltkamp's split: split = 2**(24 - bits) + 1;
         # 1 leaves x as it is), as ``.to(dtype)`` rounds the reference path's decoded codes
@@ -505,24 +530,33 @@ if numba is not None:
                 vec[j * per + m] = levels[m]
 
     @njit(cache=True, fastmath=_FASTMATH)
-    def _turbo_attention(q, k_codes, k_norm, v_codes, v_norm, per_byte, scaling, out, lse):  # pragma: no cover
-        # rotated queries q [B, H, R, d] over n TurboQuant-coded keys and values [B, H, n, bytes] (norms
-        # [B, H, n]) -> out [B, H, R, d] (rotated domain), lse [B, H, R]
+    def _turbo_attention(q, rotation_t, k_codes, k_norm, v_codes, v_norm, per_byte, pow2, scaling, out,
+                         lse):  # pragma: no cover - compiled
+        # queries q [B, H, R, d] (the model's channels) over n TurboQuant-coded keys and values [B, H, n, bytes]
+        # (norms as float16 words [B, H, n]): rotated (q @ M; rotation_t = M.T), attended in the rotated
+        # domain, the output rotated back (@ M.T) -> out [B, H, R, d], lse [B, H, R]
         batch, heads, rows, d = q.shape
         n = k_codes.shape[2]
         scores = np.empty((rows, n), np.float32)
         vec = np.empty(k_codes.shape[3] * per_byte.shape[1], np.float32)
+        qr = np.empty((rows, d), np.float32)
+        acc = np.empty((rows, d), np.float32)
         for b in range(batch):
             for h in range(heads):
+                for r in range(rows):
+                    for e in range(d):
+                        x = np.float32(0.0)
+                        for j in range(d):
+                            x += q[b, h, r, j] * rotation_t[e, j]
+                        qr[r, e] = x
                 for t in range(n):
                     _unpack_row(k_codes[b, h, t], per_byte, vec)
-                    weight = k_norm[b, h, t] * scaling
+                    weight = _half_float(k_norm[b, h, t], pow2) * scaling
                     for r in range(rows):
-                        qr = q[b, h, r]
-                        acc = np.float32(0.0)
+                        x = np.float32(0.0)
                         for e in range(d):
-                            acc += qr[e] * vec[e]
-                        scores[r, t] = acc * weight
+                            x += qr[r, e] * vec[e]
+                        scores[r, t] = x * weight
                 for r in range(rows):
                     row = scores[r]
                     top = -np.inf
@@ -533,17 +567,49 @@ if numba is not None:
                         row[t] = np.exp(row[t] - top)
                         total += row[t]
                     lse[b, h, r] = top + np.log(total)
-                    for e in range(d):
-                        out[b, h, r, e] = 0.0
+                    acc[r] = 0.0
                     for t in range(n):
                         row[t] /= total
                 for t in range(n):
                     _unpack_row(v_codes[b, h, t], per_byte, vec)
+                    norm = _half_float(v_norm[b, h, t], pow2)
                     for r in range(rows):
-                        p = scores[r, t] * v_norm[b, h, t]
-                        o = out[b, h, r]
+                        p = scores[r, t] * norm
                         for e in range(d):
-                            o[e] += p * vec[e]
+                            acc[r, e] += p * vec[e]
+                for r in range(rows):
+                    for e in range(d):
+                        x = np.float32(0.0)
+                        for j in range(d):
+                            x += acc[r, j] * rotation_t[j, e]
+                        out[b, h, r, e] = x
+
+    @njit(cache=True)
+    def _ring_attention(q, kv, live, bf16, pow2, new_k, new_v, scaling, out, lse):  # pragma: no cover - compiled
+        # grouped queries q [B, H, R, d] over the first `live` rows of a 16-bit ring kv [2, B*H, S, d] (float16
+        # words, or bfloat16 ones with bf16) and the float32 rows new_k/new_v [B, H, m, d], every one visible
+        batch, heads, rows, d = q.shape
+        m = new_k.shape[2]
+        key_bits = np.empty((live + m, d), np.uint32)
+        value_bits = np.empty((live + m, d), np.uint32)
+        keys, values = key_bits.view(np.float32), value_bits.view(np.float32)
+        scores = np.empty(live + m, np.float32)
+        for b in range(batch):
+            for h in range(heads):
+                bh = b * heads + h
+                if bf16:
+                    for t in range(live):
+                        for j in range(d):
+                            key_bits[t, j] = np.uint32(kv[0, bh, t, j]) << 16
+                            value_bits[t, j] = np.uint32(kv[1, bh, t, j]) << 16
+                else:
+                    for t in range(live):
+                        _half_row(kv[0, bh, t], key_bits[t], pow2)
+                        _half_row(kv[1, bh, t], value_bits[t], pow2)
+                for t in range(m):
+                    keys[live + t] = new_k[b, h, t]
+                    values[live + t] = new_v[b, h, t]
+                _vector_attention(q[b, h], keys, values, scaling, out[b, h], lse[b, h], scores)
 
     @njit(cache=True, inline="always")
     def half_bits(x):  # pragma: no cover - compiled
@@ -913,7 +979,7 @@ def _row_quads(query: np.ndarray, scaling: float) -> np.ndarray:
 
 
 def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
-               q4: np.ndarray, hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | None,
+               q4: np.ndarray, hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None,
                lse: np.ndarray) -> np.ndarray:
     """`code_attention` (channels as two halves) of the scaled query quads ``q4`` (`_row_quads`) over one block:
     its bins ``[B, H_kv, n_groups * 2**v_bits, 4 * ceil(R / 4)]`` (query rows last), its log-sum-exp written
@@ -925,7 +991,7 @@ def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: 
     heads_per_scope = heads // n_scopes
     rank = scaled.shape[1]
     basis_t = scaled.float().transpose(1, 2)         # [S, W, r]: BLAS reads it transposed in place
-    positions = _NO_ROWS if rows is None else _numpy(rows.long())
+    positions = _NO_ROWS if rows is None else rows if isinstance(rows, np.ndarray) else _numpy(rows.long())
     c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
     scores = scratch("scores", (batch, heads, n_rows, n)).numpy()
     bins = np.zeros((batch, heads, n_groups << v_bits, q4.shape[2] * 4), np.float32)
@@ -1004,11 +1070,11 @@ def _int8_into(query: np.ndarray, keys: tuple, values: tuple, scaling: np.float3
     _int8_attention(query, *keys, *values, _HALF_POW2, np.float32(_SPLIT.get(dtype, 1.0)), scaling, out, lse)
 
 
-def set_bit_positions(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """int64 indices of the set bits among the first ``n`` of ``packed`` (uint8, CPU; `codecs.bitpack` order),
-    in one pass: what ``unpack_bits(packed, 1, n).nonzero()`` gives, in microseconds, not a few torch ops."""
+def set_bit_positions(packed: torch.Tensor | np.ndarray, n: int) -> np.ndarray:
+    """int64 indices (numpy) of the set bits among the first ``n`` of ``packed`` (uint8, CPU; `codecs.bitpack`
+    order), in one pass: what ``unpack_bits(packed, 1, n).nonzero()`` gives, in microseconds, not a few torch ops."""
     out = np.empty(n, np.int64)
-    return torch.from_numpy(out[:_set_bits(_numpy(packed), n, out)])
+    return out[:_set_bits(_numpy(packed), n, out)]
 
 
 def bin_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -1039,17 +1105,20 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float) ->
     float32, lse [B, H_kv, R])``, what ``turbo.inner_products``, a softmax and ``turbo.weighted_sum`` give,
     without decoding the codes into tensors (`turbo_supported` says when it applies)."""
     out, lse = _outputs(query.shape)
-    _turbo_into(turbo, _numpy(query.float()), keys, values, np.float32(scaling), out, lse)
+    _turbo_into(turbo, _numpy(query.float()), turbo_arrays(keys), turbo_arrays(values), np.float32(scaling), out, lse)
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
-def _turbo_into(turbo, query: np.ndarray, keys, values, scaling: np.float32, out: np.ndarray, lse: np.ndarray) -> None:
-    rotation_t, _ = turbo_encoder_tables(turbo)       # M.T: rotate(x) = x @ M, unrotate(y) = y @ M.T
-    _, _, _, per_byte = turbo._tables("cpu")          # the centroids of each byte's codes, as decode_rotated reads them
-    rotated = np.empty_like(out)
-    _turbo_attention(query @ rotation_t.T, _numpy(keys.codes), _numpy(keys.norm.float()), _numpy(values.codes),
-                     _numpy(values.norm.float()), _numpy(per_byte), scaling, rotated, lse)
-    np.matmul(rotated, rotation_t, out=out)
+def turbo_arrays(code) -> tuple[np.ndarray, np.ndarray]:
+    """A `codecs.lloyd_max.TurboCode` as numpy views (no copy, strides kept): its codes ``[..., bytes]`` uint8 and
+    its float16 norms as words ``[...]`` (uint16), as `turbo_attention`'s kernel reads them."""
+    return code.codes.detach().numpy(), code.norm.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def _turbo_into(turbo, query: np.ndarray, keys: tuple, values: tuple, scaling: np.float32, out: np.ndarray,
+                lse: np.ndarray) -> None:
+    rotation_t, _, per_byte = turbo_tables(turbo)
+    _turbo_attention(query, rotation_t, *keys, *values, per_byte, _HALF_POW2, scaling, out, lse)
 
 
 def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, at: int) -> None:
@@ -1060,7 +1129,7 @@ def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.T
     boundary (summation order)."""
     *lead, n, d = x.shape
     rows = x.numel() // max(1, n * d)
-    rotation_t, bounds = turbo_encoder_tables(turbo)
+    rotation_t, bounds, _ = turbo_tables(turbo)
     codes_out, norm_words = stream_words(codes, norm)
     _turbo_encode(_numpy(x.float().reshape(rows, n, d)), rotation_t, bounds, turbo.bits, codes_out, norm_words, at)
 
@@ -1073,7 +1142,7 @@ def ring_step(turbo, kv: np.ndarray, slot: int, key: torch.Tensor, value: torch.
     as ``.to(float16)``. Returns None when done; when a new value is beyond float16's range, its magnitude, having
     changed nothing."""
     rows, d = kv.shape[1], key.shape[-1]
-    rotation_t, bounds = turbo_encoder_tables(turbo)
+    rotation_t, bounds, _ = turbo_tables(turbo)
     largest = _ring_step(kv, slot, _numpy(key).reshape(rows, d), _numpy(value).reshape(rows, d), _HALF_POW2,
                          rotation_t, bounds, turbo.bits, codes, norm, at)
     if _F32_FP16_OVERFLOW <= largest <= _F32_INF:
@@ -1093,18 +1162,19 @@ def stream_words(codes: torch.Tensor, norm: torch.Tensor) -> tuple[np.ndarray, n
             norm.view(torch.int16).numpy().view(np.uint16).reshape(-1, norm.shape[-1]))
 
 
-def turbo_encoder_tables(turbo) -> tuple[np.ndarray, np.ndarray]:
-    """``turbo``'s rotation transposed and its level boundaries as float32 numpy: what the CPU encoders read (kept
-    while ``turbo`` lives; not on it, so never saved with it)."""
-    held = _ENCODER_TABLES.get(turbo)
+def turbo_tables(turbo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``turbo``'s rotation transposed (``M.T``: rotate(x) = x @ M), its level boundaries, and the centroids of each
+    byte's codes (``[256, 8 // bits]``), float32 numpy: what the CPU kernels read (kept while ``turbo`` lives; not on
+    it, so never saved with it)."""
+    held = _TURBO_TABLES.get(turbo)
     if held is None:
-        _, bounds, _, _ = turbo._tables("cpu")
-        held = _ENCODER_TABLES[turbo] = (turbo.rotation.matrix("cpu", torch.float32).T.contiguous().numpy(),
-                                         bounds.numpy().copy())
+        _, bounds, _, per_byte = turbo._tables("cpu")
+        held = _TURBO_TABLES[turbo] = (turbo.rotation.matrix("cpu", torch.float32).T.contiguous().numpy(),
+                                       bounds.numpy().copy(), None if per_byte is None else per_byte.numpy().copy())
     return held
 
 
-_ENCODER_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TURBO_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class StepParts:
@@ -1136,12 +1206,23 @@ class StepParts:
         """`int8_attention` over 8-bit codes ``keys/values`` (`int8_arrays`), decoded as ``dtype`` rounds them."""
         _int8_into(self.query, keys, values, self.scaling, dtype, *self._next())
 
-    def turbo(self, turbo, keys, values) -> None:
-        """`turbo_attention` over TurboQuant codes ``keys/values``."""
+    def turbo(self, turbo, keys: tuple, values: tuple) -> None:
+        """`turbo_attention` over TurboQuant codes ``keys/values`` (`turbo_arrays`)."""
         _turbo_into(turbo, self.query, keys, values, self.scaling, *self._next())
 
+    def ring(self, kv: np.ndarray, live: int, dtype: torch.dtype, new: tuple[torch.Tensor, torch.Tensor] | None
+             ) -> None:
+        """`exact_attention` over the first ``live`` rows of a 16-bit ring's words ``kv [2, B·H, S, d]`` (`ring_words`;
+        ``dtype`` float16 or bfloat16) read in place, and ``new`` (float32 ``[B, H, m, d]`` keys and values), in one
+        call: no float32 copy or concatenation of the ring's tokens."""
+        new_k, new_v = (_NO_TOKENS, _NO_TOKENS) if new is None else (_numpy(x.float()) for x in new)
+        if new is not None and new_k.shape[:2] != self.query.shape[:2]:
+            raise ValueError(f"new tokens {new_k.shape} do not match the query {self.query.shape}")
+        _ring_attention(self.query, kv, live, dtype == torch.bfloat16, _HALF_POW2, new_k, new_v, self.scaling,
+                        *self._next())
+
     def code(self, scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
-             hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | None, codebook: torch.Tensor,
+             hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None, codebook: torch.Tensor,
              v_scale: torch.Tensor, rotation: torch.Tensor) -> None:
         """`code_attention` (``halves=True``; the codes and the int32 ``hidden`` rows as tensors or numpy views) then
         `bin_values`: a coded block's partial."""

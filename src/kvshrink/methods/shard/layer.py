@@ -175,7 +175,7 @@ class ShardLayer(CacheLayer):
                 parts.extend(self.middle_partials(block, query, ctx))
         if self.stream.n:
             if into is not None and fused.turbo_supported(self.shared.turbo):
-                into.turbo(self.shared.turbo, self.stream.keys, self.stream.values)
+                into.turbo(self.shared.turbo, *self.stream_arrays())
             else:
                 parts.append(self.stream_partial(query, ctx.scaling))
         if self.layer_idx == self.info.num_layers - 1:
@@ -235,7 +235,7 @@ class ShardLayer(CacheLayer):
         grouped = group_queries(query.float(), self.h_kv)
         parts = fused.StepParts(grouped, ctx.scaling, 2 + len(held) + len(self.blocks()))
         exact = [block.salient.key_values(ring.dtype) for block in held if not block.salient.coded]
-        ring.attend_into(parts, exact, new)
+        ring.attend_into(parts, exact, new, self.numpy_views())
         for block in held:
             if block.salient.coded:
                 parts.int8(*self.block_arrays(block).salient, ring.dtype)
@@ -279,7 +279,7 @@ class ShardLayer(CacheLayer):
             return False
         b, h, _, _ = key.shape
         buffer = self.stream.room(1, (b, h), packed_size(self.d, turbo.bits), key.device)
-        views = self.__dict__.setdefault("_views", fused.NumpyViews())
+        views = self.numpy_views()
         codes, norm = views.get("stream", buffer, lambda x: fused.stream_words(x.codes, x.norm))
         peak = fused.ring_step(turbo, views.get("ring", ring.kv, fused.ring_words), ring.n_sinks + ring.head, key,
                                value, codes, norm, self.stream.n)
@@ -289,6 +289,21 @@ class ShardLayer(CacheLayer):
         ring.head = (ring.head + 1) % ring.slots
         ring.start += 1
         return True
+
+    def numpy_views(self) -> fused.NumpyViews:
+        """Numpy views of the ring's and the stream's buffers for the CPU fast path's kernels, made again when a
+        buffer is replaced (never saved)."""
+        return self.__dict__.setdefault("_views", fused.NumpyViews())
+
+    def stream_arrays(self) -> tuple[tuple, tuple]:
+        """The stream's keys' and values' `fused.turbo_arrays` (its first ``n`` tokens): views of its buffer, kept
+        while the buffer lives, when it has one."""
+        n, buffer = self.stream.n, self.stream.buffer
+        if buffer is None:
+            return fused.turbo_arrays(self.stream.keys), fused.turbo_arrays(self.stream.values)
+        codes, norm = self.numpy_views().get("stream_arrays", buffer.codes,
+                                             lambda _: fused.turbo_arrays(buffer))
+        return (codes[0, ..., :n, :], norm[0, ..., :n]), (codes[1, ..., :n, :], norm[1, ..., :n])
 
     def stream_append(self, both: torch.Tensor, index: int) -> None:
         """TurboQuant codes of tokens ``index ..`` (keys and values ``[2, B, H_kv, n, d]``, encoded together:

@@ -11,6 +11,8 @@ from kvshrink.cache.store import ExactStore, check_storage
 from kvshrink.codecs import fused
 from kvshrink.kernels.backend import gpu_path, triton_available
 
+_WORDS = (torch.float16, torch.bfloat16)   # ring dtypes the CPU fast path reads as words
+
 
 class ExactRing:
     """Keys and values ``[B, H_kv, sinks + slots, d]`` (one buffer ``kv [2, ...]``: a token's key and value
@@ -73,10 +75,18 @@ class ExactRing:
         return exact_partial(query, keys, values, scaling) if keys.shape[2] else None
 
     def attend_into(self, parts: fused.StepParts, extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
-                    new: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    new: tuple[torch.Tensor, torch.Tensor] | None = None, views: fused.NumpyViews | None = None
+                    ) -> None:
         """`partial` on the CPU fast path, written into ``parts``; ``new`` (the step's own key and value, in any
         float dtype, not rounded to the ring's) attended in the same call (one partial and merge term fewer than
-        attending it apart)."""
+        attending it apart). A 16-bit ring whose live rows come first is read in place from its words (kept in
+        ``views``), with no float32 copy of its tokens."""
+        live = self.n_sinks + self.count
+        if (views is not None and not extra and self.dtype in _WORDS and self.kv.is_contiguous()
+                and (live == self.keys.shape[2] or self.head == 0)):
+            if live or new is not None:
+                parts.ring(views.get("ring", self.kv, fused.ring_words), live, self.dtype, new)
+            return
         keys, values = self._with(extra)
         if new is not None:     # float32 throughout: the ring's rows widened exactly, the new token unrounded
             keys = torch.cat([keys.float(), new[0].float()], dim=2)
