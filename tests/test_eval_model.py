@@ -102,3 +102,23 @@ def test_quick_suite_end_to_end(tmp_path, capsys):
         assert (out / name).exists(), name
     printed = capsys.readouterr().out
     assert "| full |" in printed and "| streaming:window=128 |" in printed
+
+
+def test_interleaved_cost_pairs_every_method_with_full_in_one_process(real_model, tmp_path):
+    """`eval cost --interleave`: one process a repeat decodes every method one step of each in turn; each row has
+    the bytes and times a separate process gives (no peak memory), ratios against that process's full, and a
+    rerun finds every row done."""
+    model, tok = real_model
+    suite = resolve_suite("quick", ["cost"], lengths=[512], repeats=1)
+    options = RunOptions(threads=1, progress=False, interleave=True)
+    specs = ["streaming:window=128", "shard"]
+    assert Runner(str(tmp_path), specs, suite, options, model=model, tokenizer=tok).run() == 3
+    rows = read_rows(tmp_path)
+    assert sorted(r["spec"] for r in rows) == ["full", "shard", "streaming:window=128"]
+    full = next(r for r in rows if r["spec"] == "full")
+    for r in rows:
+        assert r["interleaved"] and r["peak_rss_mb"] is None and r["decoded_tokens"] == 8
+        assert r["decode_ms_per_token"] > 0 and r["prefill_s"] > 0 and r["nbytes"] > 0
+        assert r["decode_ratio"] == pytest.approx(r["decode_ms_per_token"] / full["decode_ms_per_token"])
+    assert next(r for r in rows if r["spec"] == "shard")["ratio"] > 3 * full["ratio"]
+    assert Runner(str(tmp_path), specs, suite, options, model=model, tokenizer=tok).run() == 0

@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     ev.add_argument("--samples", type=int, help="samples per task setting")
     ev.add_argument("--limit", type=int, help="at most this many prompts per task")
     ev.add_argument("--repeats", type=int, help="cost: repeats per method (medians are reported)")
+    ev.add_argument("--interleave", action="store_true",
+                    help="cost: every method in one process per repeat, decoded one step of each in turn (steady "
+                         "ratios on a machine whose speed drifts; no peak memory)")
     ev.add_argument("--agreement-tokens", type=int, help="agreement: greedy tokens decoded")
     ev.add_argument("--max-new-tokens", type=int, help="NIAH/RULER answer budget (default per task)")
     ev.add_argument("--seed", type=int, default=0)
@@ -78,7 +81,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     options = RunOptions(seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
                          threads=args.threads, model_ref=args.model, device=args.device, dtype=args.dtype,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, interleave=args.interleave)
     runner = Runner(args.out, split_specs(args.methods), suite, options)
     write_config(args.out, {"argv": ["kvshrink"] + sys.argv[1:], "specs": runner.specs,
                             "suite": _suite_dict(suite), "options": vars(options)})

@@ -5,8 +5,13 @@ another's; repeats are interleaved across methods (full, A, B, full, A, B, ...) 
 shared machine hit every method alike; times are reported as ratios to ``full`` of the same repeat
 and summarised by medians.
 
+With ``interleave`` (``kvshrink eval cost --interleave``) each repeat is one subprocess holding every
+method's cache: they are prefilled one after another, then decoded one step of each in turn, so a
+machine whose speed drifts by tens of percent from minute to minute still gives steady ratios (the
+methods share every slow second). Peak memory is not measured then (one process holds every cache).
+
 Run as ``python -m kvshrink.eval.cost '<json job>'``; it prints one ``KVSHRINK_COST {json}`` line per
-length.
+length (per method and length with ``interleave``).
 """
 from __future__ import annotations
 
@@ -14,15 +19,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from . import memory
 from .backend import KVShrinkBackend, cache_figures
-from .engine import greedy_decode, model_device
+from .engine import _step, _sync, greedy_decode, model_device, prefill
 
 MARK = "KVSHRINK_COST "
 
 
-def measure(job: dict) -> None:
+def _setup(job: dict):
     import torch
 
     if job.get("threads"):
@@ -31,7 +37,27 @@ def measure(job: dict) -> None:
     model, tokenizer = backend.load_model()
     from .tasks import TokenCorpus
 
-    corpus = TokenCorpus(tokenizer)
+    return backend, model, TokenCorpus(tokenizer)
+
+
+def _row(model, cache, length: int, prompt: list[int], prefill_s: float, decode_ms: float | None, decoded: int
+         ) -> dict:
+    return {
+        "length": length,
+        "device": str(model_device(model)),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "actual_tokens": len(prompt),
+        **cache_figures(cache),
+        "prefill_s": prefill_s,
+        "decode_ms_per_token": decode_ms,
+        "decoded_tokens": decoded,
+    }
+
+
+def measure(job: dict) -> None:
+    import torch
+
+    backend, model, corpus = _setup(job)
     device = model_device(model)
     for length in job["lengths"]:
         prompt = corpus.ids[:length]
@@ -43,14 +69,7 @@ def measure(job: dict) -> None:
         result = greedy_decode(model, cache, prompt, int(job["new_tokens"]))
         peak = memory.peak_rss_mb()
         row = {
-            "length": length,
-            "device": str(device),
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "actual_tokens": len(prompt),
-            **cache_figures(cache),
-            "prefill_s": result.prefill_s,
-            "decode_ms_per_token": result.decode_ms_per_token,
-            "decoded_tokens": len(result.tokens),
+            **_row(model, cache, length, prompt, result.prefill_s, result.decode_ms_per_token, len(result.tokens)),
             "peak_rss_mb": peak,
             "peak_rss_delta_mb": (peak - before) if (reset_ok and before is not None) else None,
             "peak_rss_reset": reset_ok,
@@ -58,6 +77,41 @@ def measure(job: dict) -> None:
         }
         del cache
         print(MARK + json.dumps(row), flush=True)
+
+
+def measure_interleaved(job: dict) -> None:
+    """Every spec of ``job["specs"]`` at each length in one process: the caches prefilled one after another,
+    then greedy-decoded one step of each in turn (``new_tokens`` tokens each, as `greedy_decode` counts them);
+    a method's decode time is the sum of its own steps. One row per spec and length, no peak memory."""
+    import torch
+
+    backend, model, corpus = _setup(job)
+    device = model_device(model)
+    steps = int(job["new_tokens"]) - 1          # forwards after the prefill, as greedy_decode makes them
+    for length in job["lengths"]:
+        prompt = corpus.ids[:length]
+        runs = {}
+        for spec in job["specs"]:
+            torch.manual_seed(int(job.get("seed", 0)))
+            cache = backend.make_cache(spec, model)
+            logits, prefill_s = prefill(model, cache, prompt)
+            runs[spec] = {"cache": cache, "logits": logits, "prefill_s": prefill_s, "decode_s": 0.0}
+        with torch.no_grad():
+            for _ in range(steps):
+                for run in runs.values():
+                    ids = torch.tensor([[int(run["logits"][0].argmax())]], device=device)
+                    _sync(device)
+                    start = time.perf_counter()
+                    run["logits"] = _step(model, run["cache"], ids)
+                    _sync(device)
+                    run["decode_s"] += time.perf_counter() - start
+        for spec, run in runs.items():
+            decode_ms = 1000 * run["decode_s"] / steps if steps > 0 else None
+            row = {"spec": spec, **_row(model, run["cache"], length, prompt, run["prefill_s"], decode_ms, steps + 1),
+                   "peak_rss_mb": None, "peak_rss_delta_mb": None, "peak_rss_reset": False, "peak_device_mb": None,
+                   "interleaved": True}
+            print(MARK + json.dumps(row), flush=True)
+        del runs
 
 
 def run_job(job: dict, timeout: float | None = None) -> list[dict]:
@@ -68,9 +122,11 @@ def run_job(job: dict, timeout: float | None = None) -> list[dict]:
     proc = subprocess.run([sys.executable, "-m", "kvshrink.eval.cost", json.dumps(job)],
                           capture_output=True, text=True, env=env, timeout=timeout)
     rows = [json.loads(line[len(MARK):]) for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or len(rows) != len(job["lengths"]):
+    specs = job["specs"] if "specs" in job else [job["spec"]]
+    if proc.returncode != 0 or len(rows) != len(job["lengths"]) * len(specs):
         tail = (proc.stderr or "")[-2000:]
-        raise RuntimeError(f"cost measurement for {job['spec']!r} failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"cost measurement for {', '.join(map(repr, specs))} failed (exit {proc.returncode}):"
+                           f"\n{tail}")
     return rows
 
 
@@ -81,4 +137,5 @@ def paired_ratio(value, reference) -> float | None:
 
 
 if __name__ == "__main__":
-    measure(json.loads(sys.argv[1]))
+    _job = json.loads(sys.argv[1])
+    (measure_interleaved if "specs" in _job else measure)(_job)

@@ -30,6 +30,7 @@ class RunOptions:
     device: str | None = None          # e.g. "cuda" (default: CPU)
     dtype: str | None = None           # model dtype: float32 (default), bfloat16, float16
     progress: bool = True
+    interleave: bool = False           # cost: every method in one process per repeat, one step of each in turn
 
 
 def with_reference(specs: list[str]) -> list[str]:
@@ -234,24 +235,32 @@ class Runner:
     # -- cost ------------------------------------------------------------------------------------
     def run_cost(self, done: dict) -> int:
         plan = self.suite.tasks["cost"]
-        digest = f"cost:{plan.new_tokens}"
+        digest = f"cost:{plan.new_tokens}" + (":interleaved" if self.opt.interleave else "")
         jobs = []
         for repeat in range(plan.repeats):
             for spec in self.specs:
                 missing = [L for L in plan.lengths
                            if (spec, "cost", "prefill+decode", L, None, repeat, digest) not in done]
                 if missing:
-                    jobs.append((repeat, spec, missing))
+                    jobs.append((repeat, [spec], missing))
+        if self.opt.interleave:     # one job a repeat: every method missing at any of its lengths, full included
+            by_repeat: dict[int, tuple[list, list]] = {}
+            for repeat, specs, lengths in jobs:
+                held = by_repeat.setdefault(repeat, ([], []))
+                held[0].extend(specs)
+                held[1].extend(L for L in lengths if L not in held[1])
+            jobs = [(repeat, with_reference(specs), sorted(lengths)) for repeat, (specs, lengths) in by_repeat.items()]
         written = 0
         bar = tqdm(jobs, desc="cost (one process each)", unit="proc", disable=not self.opt.progress,
                    file=sys.stderr)
-        for repeat, spec, lengths in bar:
-            bar.set_postfix_str(f"{spec} repeat {repeat}", refresh=False)
-            job = {"spec": spec, "lengths": lengths, "new_tokens": plan.new_tokens, "seed": self.opt.seed,
+        for repeat, specs, lengths in bar:
+            bar.set_postfix_str(f"{', '.join(specs)} repeat {repeat}", refresh=False)
+            job = {"lengths": lengths, "new_tokens": plan.new_tokens, "seed": self.opt.seed,
                    "threads": self.opt.threads, "model": self.opt.model_ref, "device": self.opt.device,
-                   "dtype": self.opt.dtype}
+                   "dtype": self.opt.dtype, **({"specs": specs} if self.opt.interleave else {"spec": specs[0]})}
             started = now()
             for measured in cost_task.run_job(job):
+                spec = measured.pop("spec", specs[0])
                 row = self.base_row(spec, "cost", "prefill+decode", measured["length"], None, repeat, digest)
                 ref = done.get((REFERENCE, "cost", "prefill+decode", measured["length"], None, repeat, digest))
                 row.update(measured, started=started, finished=now())
@@ -260,7 +269,11 @@ class Runner:
                                                              ref and ref["decode_ms_per_token"])
                 if spec == REFERENCE:
                     row["prefill_ratio"] = row["decode_ratio"] = 1.0
-                self.writer.write(row)
-                done[row_key(row)] = row
-                written += 1
+                key = row_key(row)
+                # an interleaved job measures every method again when one was missing (a resumed run): rows
+                # already written stay, but the methods measured now are paired with this process's full
+                if key not in done:
+                    self.writer.write(row)
+                    written += 1
+                done[key] = row
         return written
