@@ -15,6 +15,13 @@ from test_shard import prefill, tiny_llama
 pytestmark = pytest.mark.skipif(not fused.available(), reason=f"numba missing: {fused.unavailable_reason()}")
 
 
+def one_part(query, fill):
+    """``(out, lse)`` of the one part ``fill(parts)`` writes into a `fused.StepParts` of ``query`` (scaling 0.25)."""
+    parts = fused.StepParts(query, 0.25, 1)
+    fill(parts)
+    return parts.merged()
+
+
 def decode(model, cache, steps, mask):
     with torch.no_grad():
         for t in range(steps):
@@ -170,8 +177,8 @@ def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):
 
 
 def test_the_value_pass_equals_the_torch_ops():
-    """`fused.bin_values` (codewords weighted by the bins, scaled, rotated back, in one pass) == the layer's
-    torch ops (`values_from_bins`), for 2-, 4- and 8-bit value codes."""
+    """The fast path's value pass (`fused._values_into`: codewords weighted by the bins, scaled, rotated back, in one
+    pass) == the layer's torch ops (`values_from_bins`), for 2-, 4- and 8-bit value codes."""
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=2, window=4)
     prefill(model, cache, torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0)))
@@ -185,8 +192,9 @@ def test_the_value_pass_equals_the_torch_ops():
         bins[bins < 0.3] = 0.0   # empty codewords, as most are for short blocks
         probe = type(block)(**{**block.__dict__, "v_codebook": codebook})
         want = layer.values_from_bins(probe, bins)
-        got = fused.bin_values(bins, codebook, block.v_scale, layer.shared.rotation.matrix(bins.device))
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        got = np.empty(want.shape, np.float32)
+        fused._values_into(bins.numpy(), codebook, block.v_scale, layer.shared.rotation.matrix(bins.device), got)
+        torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
 
 
 def test_the_threaded_kernels_give_the_serial_kernels_results_exactly():
@@ -241,7 +249,7 @@ def test_the_one_pass_merge_equals_merge_partials():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [16, 4])
 def test_the_one_pass_int8_attention_equals_exact_attention_over_the_decoded_codes(dtype, group):
-    """`fused.int8_attention` (8-bit salient tokens read in place, decoded and rounded to the exact dtype in the
+    """`StepParts.int8` (8-bit salient tokens read in place, decoded and rounded to the exact dtype in the
     kernel) == exact attention over `dequantize_groups(code).to(dtype)`, what the torch path attends."""
     from kvshrink.cache.attention import exact_partial, group_queries, ungroup
     from kvshrink.codecs.groupwise import dequantize_groups, quantize_groups
@@ -251,7 +259,8 @@ def test_the_one_pass_int8_attention_equals_exact_attention_over_the_decoded_cod
     values = quantize_groups(torch.randn(2, 3, 37, 16, generator=g), 8, group)
     query = torch.randn(2, 9, 1, 16, generator=g)
     want = exact_partial(query, dequantize_groups(keys).to(dtype), dequantize_groups(values).to(dtype), 0.25)
-    out, lse = fused.int8_attention(group_queries(query, 3), keys, values, 0.25, dtype)
+    out, lse = one_part(group_queries(query, 3),
+                        lambda parts: parts.int8(fused.int8_arrays(keys), fused.int8_arrays(values), dtype))
     torch.testing.assert_close(ungroup(out, 9), want.out.float(), atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(ungroup(lse, 9), want.lse.float(), atol=2e-6, rtol=1e-6)
     if dtype != torch.float32:  # the rounding to the exact dtype is what makes them equal
@@ -261,7 +270,7 @@ def test_the_one_pass_int8_attention_equals_exact_attention_over_the_decoded_cod
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_the_one_pass_exact_attention_equals_exact_partial(dtype):
-    """`fused.exact_attention` (the decode ring's exact tokens on the CPU fast path) == `exact_partial`."""
+    """`StepParts.exact` (the decode ring's exact tokens on the CPU fast path) == `exact_partial`."""
     from kvshrink.cache.attention import exact_partial, group_queries, ungroup
 
     g = torch.Generator().manual_seed(0)
@@ -269,11 +278,11 @@ def test_the_one_pass_exact_attention_equals_exact_partial(dtype):
     values = torch.randn(2, 3, 70, 16, generator=g).to(dtype)
     query = torch.randn(2, 9, 1, 16, generator=g)
     want = exact_partial(query, keys, values, 0.25)
-    out, lse = fused.exact_attention(group_queries(query, 3), keys[:, :, :50], values[:, :, :50], 0.25)
+    out, lse = one_part(group_queries(query, 3), lambda parts: parts.exact(keys[:, :, :50], values[:, :, :50]))
     part = exact_partial(query, keys[:, :, :50], values[:, :, :50], 0.25)  # a sliced (strided) ring
     torch.testing.assert_close(ungroup(out, 9), part.out.float(), atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(ungroup(lse, 9), part.lse.float(), atol=2e-6, rtol=1e-6)
-    out, lse = fused.exact_attention(group_queries(query, 3), keys, values, 0.25)
+    out, lse = one_part(group_queries(query, 3), lambda parts: parts.exact(keys, values))
     torch.testing.assert_close(ungroup(out, 9), want.out.float(), atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(ungroup(lse, 9), want.lse.float(), atol=2e-6, rtol=1e-6)
 

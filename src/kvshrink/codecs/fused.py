@@ -12,7 +12,7 @@ or values, a slice of tokens at a time:
    each a loop over the tile's tokens (contiguous: it vectorises across tokens);
 4. per KV head: the softmax of all the block's scores (held rows masked; one pass a row, exp as a
    polynomial the loop vectorises), and its probabilities summed per value codeword and channel group
-   (the value VQ codes), which `bin_values` turns into the attention output (one small product by the
+   (the value VQ codes), which the value pass (`StepParts.code`) turns into the attention output (one small product by the
    codebook, scales, rotation).
 
 `turbo_attention` does the same for TurboQuant-coded tokens (Shard's decode stream) in one pass.
@@ -43,8 +43,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "bin_values", "exact_attention", "int8_attention",
-           "merge_partials", "set_bit_positions", "turbo_attention", "turbo_supported",
+__all__ = ["available", "unavailable_reason", "code_attention", "StepParts", "set_bit_positions", "turbo_attention",
+           "turbo_supported",
            "nearest_codewords", "warm_up"]
 
 # Tokens whose coefficients and keys are held at once (their keys stay in the core's cache: ~0.8 MB for
@@ -1016,16 +1016,6 @@ def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: 
     return bins
 
 
-def exact_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of grouped ``query [B, H_kv, R, d]`` (float32, CPU) over ``keys/values [B, H_kv, m, d]`` (any float
-    dtype, converted by torch), every one visible: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``, one
-    pass per head (a decode step's few dozen exact tokens: no attention kernel's setup, no host sync)."""
-    out, lse = _outputs(query.shape)
-    _exact_into(_numpy(query.float()), keys, values, np.float32(scaling), out, lse)
-    return torch.from_numpy(out), torch.from_numpy(lse)
-
-
 def _outputs(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Empty float32 ``out [B, H, R, d]`` and ``lse [B, H, R]`` of a grouped query's ``shape``."""
     return np.empty(tuple(shape), np.float32), np.empty(tuple(shape[:3]), np.float32)
@@ -1044,23 +1034,11 @@ _HALF_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], np
 _SPLIT = {torch.float16: 2.0 ** 13 + 1, torch.bfloat16: 2.0 ** 16 + 1}
 
 
-def int8_attention(query: torch.Tensor, keys, values, scaling: float, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of grouped ``query [B, H_kv, R, d]`` (float32, CPU) over token vectors held as 8-bit
-    `codecs.groupwise.GroupCode`s ``keys``/``values`` (``[B, H_kv, m, d]``, fp16 step and zero point per group),
-    every one visible, in one pass with no decoded copy: ``(out [B, H_kv, R, d], lse [B, H_kv, R])``. The codes
-    are decoded as ``dequantize_groups(code).to(dtype)`` gives them (rounded to ``dtype``'s mantissa; values
-    under float16's normal range, below 6.1e-5, rounded relative to themselves)."""
-    out, lse = _outputs(query.shape)
-    _int8_into(_numpy(query.float()), int8_arrays(keys), int8_arrays(values), np.float32(scaling), dtype, out, lse)
-    return torch.from_numpy(out), torch.from_numpy(lse)
-
-
 def int8_arrays(code) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """An 8-bit `codecs.groupwise.GroupCode` as numpy views (no copy), as `int8_attention`'s kernel reads it: codes
+    """An 8-bit `codecs.groupwise.GroupCode` as numpy views (no copy), as `StepParts.int8`'s kernel reads it: codes
     ``[..., groups, group]`` uint8, the float16 steps and zero points as uint16 words ``[..., groups]``."""
     if code.bits != 8:
-        raise ValueError(f"int8_attention reads 8-bit codes, got {code.bits} bits")
+        raise ValueError(f"StepParts.int8 reads 8-bit codes, got {code.bits} bits")
     codes = code.codes.reshape(*code.scale.shape, code.group_size)
     return _numpy(codes), *(_numpy(x.view(torch.int16)).view(np.uint16) for x in (code.scale, code.zero))
 
@@ -1075,17 +1053,6 @@ def set_bit_positions(packed: torch.Tensor | np.ndarray, n: int) -> np.ndarray:
     order), in one pass: what ``unpack_bits(packed, 1, n).nonzero()`` gives, in microseconds, not a few torch ops."""
     out = np.empty(n, np.int64)
     return out[:_set_bits(_numpy(packed), n, out)]
-
-
-def bin_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Attention output ``[B, H_kv, R, d]`` (float32, CPU) from `code_attention`'s ``bins [B, H_kv, R,
-    groups * K]``: each group's probability-weighted codewords (``codebook [K, group]``), times ``scale
-    [H_kv, d]``, rotated back (``@ rotation.T``): the value side of the block in one pass instead of a
-    handful of small torch ops per layer and step."""
-    b, h, r, _ = bins.shape
-    out = np.empty((b, h, r, scale.shape[-1]), np.float32)
-    _values_into(_numpy(bins), codebook, scale, rotation, out)
-    return torch.from_numpy(out)
 
 
 def _values_into(bins: np.ndarray, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor,
@@ -1199,11 +1166,14 @@ class StepParts:
         return self._outs[self.count - 1], self._lses[self.count - 1]
 
     def exact(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """`exact_attention` over ``keys/values [B, H_kv, m, d]`` (any float dtype)."""
+        """Exact attention over ``keys/values [B, H_kv, m, d]`` (any float dtype, converted by torch), every one
+        visible: one pass per head (a decode step's few dozen exact tokens: no attention kernel's setup)."""
         _exact_into(self.query, keys, values, self.scaling, *self._next())
 
     def int8(self, keys: tuple, values: tuple, dtype: torch.dtype) -> None:
-        """`int8_attention` over 8-bit codes ``keys/values`` (`int8_arrays`), decoded as ``dtype`` rounds them."""
+        """Attention over token vectors held as 8-bit `codecs.groupwise.GroupCode`s (``keys/values`` as
+        `int8_arrays`), every one visible, in one pass with no decoded copy; the codes decoded as
+        ``dequantize_groups(code).to(dtype)`` gives them (rounded to ``dtype``'s mantissa)."""
         _int8_into(self.query, keys, values, self.scaling, dtype, *self._next())
 
     def turbo(self, turbo, keys: tuple, values: tuple) -> None:
@@ -1212,7 +1182,7 @@ class StepParts:
 
     def ring(self, kv: np.ndarray, live: int, dtype: torch.dtype, new: tuple[torch.Tensor, torch.Tensor] | None
              ) -> None:
-        """`exact_attention` over the first ``live`` rows of a 16-bit ring's words ``kv [2, B·H, S, d]`` (`ring_words`;
+        """`exact` over the first ``live`` rows of a 16-bit ring's words ``kv [2, B·H, S, d]`` (`ring_words`;
         ``dtype`` float16 or bfloat16) read in place, and ``new`` (float32 ``[B, H, m, d]`` keys and values), in one
         call: no float32 copy or concatenation of the ring's tokens."""
         new_k, new_v = (_NO_TOKENS, _NO_TOKENS) if new is None else (_numpy(x.float()) for x in new)
@@ -1225,7 +1195,8 @@ class StepParts:
              hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None, codebook: torch.Tensor,
              v_scale: torch.Tensor, rotation: torch.Tensor) -> None:
         """`code_attention` (``halves=True``; the codes and the int32 ``hidden`` rows as tensors or numpy views) then
-        `bin_values`: a coded block's partial."""
+        the value pass (each group's probability-weighted codewords, times ``v_scale``, rotated back): a coded
+        block's partial."""
         if self._quads is None:
             self._quads = _row_quads(self.query, self.scaling)
         out, lse = self._next()
@@ -1340,19 +1311,25 @@ def warm_up() -> None:
                    torch.zeros(256, 2), torch.ones(1, 2), torch.eye(2))
         parts.add(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1))
         parts.merged()
-    bin_values(torch.zeros(1, 1, 1, 4), torch.zeros(2, 2), torch.ones(1, 4), torch.eye(4))
-    for dtype in (torch.float32, torch.float16):
-        exact_attention(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2, dtype=dtype),
-                        torch.zeros(1, 1, 1, 2, dtype=dtype), 1.0)
     from .groupwise import quantize_groups
+    from .lloyd_max import TurboCode, TurboQuantizer
 
     vectors = quantize_groups(torch.ones(1, 1, 1, 2), 8, 2)
-    int8_attention(torch.zeros(1, 1, 1, 2), vectors, vectors, 1.0, torch.float16)
-    from .lloyd_max import TurboQuantizer
-
     turbo = TurboQuantizer(4, 4)
     code = turbo.encode(torch.ones(1, 1, 1, 4))
-    turbo_attention(turbo, torch.ones(1, 1, 1, 4), code, code, 1.0)
+    buffer = TurboCode(norm=torch.ones(2, 1, 1, 3, dtype=torch.float16),
+                       codes=torch.zeros(2, 1, 1, 3, 2, dtype=torch.uint8))
+    codes, norm = turbo_arrays(buffer)
+    parts = StepParts(torch.zeros(1, 1, 1, 2), 1.0, 6)
+    for dtype in (torch.float32, torch.float16):
+        parts.exact(torch.zeros(1, 1, 1, 2, dtype=dtype), torch.zeros(1, 1, 1, 2, dtype=dtype))
+    parts.int8(int8_arrays(vectors), int8_arrays(vectors), torch.float16)
+    ring = ring_words(torch.zeros(2, 1, 1, 2, 2, dtype=torch.float16))
+    parts.ring(ring, 2, torch.float16, None)
+    parts.ring(ring, 2, torch.bfloat16, (torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2)))
+    parts = StepParts(torch.ones(1, 1, 1, 4), 1.0, 2)          # the stream: compact codes and a buffer's views
+    parts.turbo(turbo, turbo_arrays(code), turbo_arrays(code))
+    parts.turbo(turbo, (codes[0, ..., :1, :], norm[0, ..., :1]), (codes[1, ..., :1, :], norm[1, ..., :1]))
     turbo_encode_into(turbo, torch.ones(1, 1, 4), torch.zeros(1, 1, 2, dtype=torch.uint8),
                       torch.zeros(1, 1, dtype=torch.float16), 0)
     nearest_codewords(torch.zeros(1, 2), torch.zeros(2, 2))
