@@ -80,18 +80,21 @@ def measure(job: dict) -> None:
 
 
 def measure_interleaved(job: dict) -> None:
-    """Every spec of ``job["specs"]`` at each length in one process: the caches prefilled one after another,
-    then greedy-decoded one step of each in turn (``new_tokens`` tokens each, as `greedy_decode` counts them);
+    """Every spec of ``job["specs"]`` at each length in one process: the caches prefilled one after another (from
+    the ``job["repeat"]``-th spec on, so repeats share out the first and last places), then greedy-decoded one step
+    of each in turn (``new_tokens`` tokens each, as `greedy_decode` counts them);
     a method's decode time is the sum of its own steps. One row per spec and length, no peak memory."""
     import torch
 
     backend, model, corpus = _setup(job)
     device = model_device(model)
     steps = int(job["new_tokens"]) - 1          # forwards after the prefill, as greedy_decode makes them
+    turn = int(job.get("repeat", 0)) % len(job["specs"])
+    order = job["specs"][turn:] + job["specs"][:turn]   # each repeat prefills first a different method
     for length in job["lengths"]:
         prompt = corpus.ids[:length]
         runs = {}
-        for spec in job["specs"]:
+        for spec in order:
             torch.manual_seed(int(job.get("seed", 0)))
             cache = backend.make_cache(spec, model)
             logits, prefill_s = prefill(model, cache, prompt)
@@ -105,7 +108,8 @@ def measure_interleaved(job: dict) -> None:
                     run["logits"] = _step(model, run["cache"], ids)
                     _sync(device)
                     run["decode_s"] += time.perf_counter() - start
-        for spec, run in runs.items():
+        for spec in job["specs"]:                # in the job's order: full's row first, the others' reference
+            run = runs[spec]
             decode_ms = 1000 * run["decode_s"] / steps if steps > 0 else None
             row = {"spec": spec, **_row(model, run["cache"], length, prompt, run["prefill_s"], decode_ms, steps + 1),
                    "peak_rss_mb": None, "peak_rss_delta_mb": None, "peak_rss_reset": False, "peak_device_mb": None,

@@ -257,7 +257,8 @@ class Runner:
             bar.set_postfix_str(f"{', '.join(specs)} repeat {repeat}", refresh=False)
             job = {"lengths": lengths, "new_tokens": plan.new_tokens, "seed": self.opt.seed,
                    "threads": self.opt.threads, "model": self.opt.model_ref, "device": self.opt.device,
-                   "dtype": self.opt.dtype, **({"specs": specs} if self.opt.interleave else {"spec": specs[0]})}
+                   "dtype": self.opt.dtype, "repeat": repeat,
+                   **({"specs": specs} if self.opt.interleave else {"spec": specs[0]})}
             started = now()
             for measured in cost_task.run_job(job):
                 spec = measured.pop("spec", specs[0])
