@@ -287,6 +287,29 @@ def test_the_one_pass_exact_attention_equals_exact_partial(dtype):
     torch.testing.assert_close(ungroup(lse, 9), want.lse.float(), atol=2e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("column", [False, True])
+def test_the_scaled_bases_in_one_call_equal_basis_factors_bit_for_bit(column):
+    """`fused.scaled_bases` (the step's scaled key bases from the int8 bases in one numba call) == `BasisFactors
+    .scaled_bases_t`'s torch ops bit for bit, for scopes of different ranks (zero past each), with and without
+    per-channel scales."""
+    from kvshrink.methods.shard.segments import BasisFactors
+
+    g = torch.Generator().manual_seed(4)
+    codes = []
+    for rank in (5, 8, 3):
+        codes.append(PCACode(mean=torch.randn(16, generator=g).half(),
+                             basis_q=torch.randint(-127, 128, (16, rank), generator=g).to(torch.int8),
+                             basis_scale=torch.rand(rank, generator=g).half(),
+                             coeff_step=torch.rand(rank, generator=g).half(),
+                             codes=torch.zeros(1, 2, 1, dtype=torch.uint8),
+                             column_scale=(torch.rand(16, generator=g) + 0.5).half() if column else None))
+    factors = BasisFactors.of(codes)
+    got = fused.scaled_bases(tuple(code.basis_q.numpy() for code in codes), factors.factor, factors.column)
+    want = factors.scaled_bases_t(codes)
+    assert got.shape == want.shape == (3, 16, 8)
+    assert torch.equal(got, want)
+
+
 def test_every_float16_word_decodes_as_torch_converts_it():
     """`fused._half_float` (the ring's and the stream norms' float16 words read in the kernels) == torch's float16 to
     float32 conversion for all 65,536 words: zeros, subnormals, normals, infinities, NaNs."""

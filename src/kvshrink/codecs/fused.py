@@ -43,8 +43,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "code_attention", "StepParts", "set_bit_positions", "turbo_attention",
-           "turbo_supported",
+__all__ = ["available", "unavailable_reason", "code_attention", "StepParts", "scaled_bases", "set_bit_positions",
+           "turbo_attention", "turbo_supported",
            "nearest_codewords", "warm_up"]
 
 # Tokens whose coefficients and keys are held at once (their keys stay in the core's cache: ~0.8 MB for
@@ -58,6 +58,7 @@ _SPARE = 4
 _DECODE_CHUNK = 256
 _NO_ROWS = np.zeros(0, np.int64)
 _NO_TOKENS = np.zeros((1, 1, 0, 1), np.float32)
+_NO_COLUMN = np.zeros((0, 0, 1), np.float32)
 # No fastmath "nnan"/"ninf": masked scores are -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -428,6 +429,22 @@ if numba is not None:
                 for j in range(out.shape[1]):
                     out[r, j] += w * outs[p, r, j]
             total[r] = top + np.log(mass)
+
+    @njit(cache=True)
+    def _scale_bases(bases, factor, column, out):  # pragma: no cover - compiled (no fastmath: torch's order)
+        # the S int8 bases [W, r_s] times factor [S, 1, r] (and column [S, W, 1] when it has S rows) -> out [S, W, r],
+        # zero past each scope's rank: `BasisFactors.scaled_bases_t`'s products in the same order
+        for s in range(len(bases)):
+            basis = bases[s]
+            rank = basis.shape[1]
+            for w in range(out.shape[1]):
+                for j in range(rank):
+                    out[s, w, j] = np.float32(basis[w, j]) * factor[s, 0, j]
+                for j in range(rank, out.shape[2]):
+                    out[s, w, j] = 0.0
+                if column.shape[0]:
+                    for j in range(out.shape[2]):
+                        out[s, w, j] *= column[s, w, 0]
 
     @njit(cache=True)
     def _set_bits(packed, n, out):  # pragma: no cover - compiled
@@ -1053,6 +1070,15 @@ def _int8_into(query: np.ndarray, keys: tuple, values: tuple, scaling: np.float3
     _int8_attention(query, *keys, *values, _HALF_POW2, np.float32(_SPLIT.get(dtype, 1.0)), scaling, out, lse)
 
 
+def scaled_bases(bases: tuple, factor: torch.Tensor, column: torch.Tensor | None) -> torch.Tensor:
+    """float32 ``[S, W, r]`` (a scratch tensor, valid until the next call): the int8 ``bases`` (numpy ``[W, r_s]``, one
+    per scope, contiguous) times ``factor [S, 1, r]`` and ``column [S, W, 1]`` (or None), zero past each scope's rank:
+    `methods.shard.segments.BasisFactors.scaled_bases_t`, bit for bit, in one call instead of a few torch ops."""
+    out = scratch("scaled_bases", (len(bases), bases[0].shape[0], factor.shape[-1]))
+    _scale_bases(bases, _numpy(factor), _NO_COLUMN if column is None else _numpy(column), out.numpy())
+    return out
+
+
 def set_bit_positions(packed: torch.Tensor | np.ndarray, n: int) -> np.ndarray:
     """int64 indices (numpy) of the set bits among the first ``n`` of ``packed`` (uint8, CPU; `codecs.bitpack`
     order), in one pass: what ``unpack_bits(packed, 1, n).nonzero()`` gives, in microseconds, not a few torch ops."""
@@ -1335,6 +1361,7 @@ def warm_up() -> None:
     parts = StepParts(torch.ones(1, 1, 1, 4), 1.0, 2)          # the stream: compact codes and a buffer's views
     parts.turbo(turbo, turbo_arrays(code), turbo_arrays(code))
     parts.turbo(turbo, (codes[0, ..., :1, :], norm[0, ..., :1]), (codes[1, ..., :1, :], norm[1, ..., :1]))
+    scaled_bases((np.zeros((2, 1), np.int8),), torch.ones(1, 1, 1), None)
     turbo_encode_into(turbo, torch.ones(1, 1, 4), torch.zeros(1, 1, 2, dtype=torch.uint8),
                       torch.zeros(1, 1, dtype=torch.float16), 0)
     nearest_codewords(torch.zeros(1, 2), torch.zeros(2, 2))

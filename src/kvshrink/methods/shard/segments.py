@@ -81,14 +81,16 @@ class BasisFactors:
 
 class BlockArrays(NamedTuple):
     """Numpy views of a block's codes as the CPU fast path's kernels read them: the PCA scopes' key codes, the
-    value codes, the int32 rows held apart (or None) and the 8-bit salient keys' and values' `fused.int8_arrays`
-    (or None). Views share the block's memory: they hold no bytes of their own (`of` refuses non-contiguous key and
-    value codes, which would be copied; the held rows are stored int32 and the salient codes contiguous)."""
+    value codes, the int32 rows held apart (or None), the 8-bit salient keys' and values' `fused.int8_arrays`
+    (or None) and the scopes' int8 bases. Views share the block's memory: they hold no bytes of their own (`of`
+    refuses non-contiguous key and value codes, which would be copied; the held rows are stored int32 and the
+    salient codes contiguous; non-contiguous bases are left to the torch ops)."""
 
     scopes: list
     v_codes: np.ndarray
     hidden: np.ndarray | None
     salient: tuple | None
+    bases: tuple | None      # the scopes' int8 bases (None unless every one is contiguous: `fused.scaled_bases`)
 
     @classmethod
     def of(cls, block: "MiddleBlock") -> "BlockArrays":
@@ -99,9 +101,11 @@ class BlockArrays(NamedTuple):
 
         held = block.salient
         coded = held is not None and held.coded
+        bases = [code.basis_q for code in block.keys]
         return cls([view(code.codes) for code in block.keys], view(block.v_codes),
                    None if held is None else view(held.index),
-                   (fused.int8_arrays(held.keys), fused.int8_arrays(held.values)) if coded else None)
+                   (fused.int8_arrays(held.keys), fused.int8_arrays(held.values)) if coded else None,
+                   tuple(view(b) for b in bases) if all(b.is_contiguous() and b.numel() for b in bases) else None)
 
 
 @dataclass
