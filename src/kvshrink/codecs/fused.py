@@ -12,8 +12,8 @@ or values, a slice of tokens at a time:
    each a loop over the tile's tokens (contiguous: it vectorises across tokens);
 4. per KV head: the softmax of all the block's scores (held rows masked; one pass a row, exp as a
    polynomial the loop vectorises), and its probabilities summed per value codeword and channel group
-   (the value VQ codes), which the value pass (`StepParts.code`) turns into the attention output (one small product by the
-   codebook, scales, rotation).
+   (the value VQ codes), which the value pass (`StepParts.code`) turns into the attention output (one small
+   product by the codebook, scales, rotation).
 
 `turbo_attention` does the same for TurboQuant-coded tokens (Shard's decode stream) in one pass.
 
@@ -1223,8 +1223,8 @@ class StepParts:
                         *self._next())
 
     def code(self, scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
-             hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None, codebook: torch.Tensor,
-             v_scale: torch.Tensor, rotation: torch.Tensor) -> None:
+             hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None,
+             codebook: torch.Tensor, v_scale: torch.Tensor, rotation: torch.Tensor) -> None:
         """`code_attention` (``halves=True``; the codes and the int32 ``hidden`` rows as tensors or numpy views) then
         the value pass (each group's probability-weighted codewords, times ``v_scale``, rotated back): a coded
         block's partial."""
