@@ -82,8 +82,7 @@ class ExactRing:
         attending it apart). A 16-bit ring whose live rows come first is read in place from its words (kept in
         ``views``), with no float32 copy of its tokens."""
         live = self.n_sinks + self.count
-        if (views is not None and not extra and self.dtype in _WORDS and self.kv.is_contiguous()
-                and (live == self.keys.shape[2] or self.head == 0)):
+        if views is not None and not extra and self.dtype in _WORDS and self.kv.is_contiguous() and self._live_first():
             if live or new is not None:
                 parts.ring(views.get("ring", self.kv, fused.ring_words), live, self.dtype, new)
             return
@@ -97,9 +96,7 @@ class ExactRing:
     def _with(self, extra: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The live keys and values, then ``extra``'s (views when there is nothing to add)."""
         live = self.n_sinks + self.count
-        if live == self.keys.shape[2]:
-            keys, values = self.keys, self.values
-        elif self.head == 0:  # a window still filling: the live rows come first
+        if self._live_first():
             keys, values = self.keys[:, :, :live], self.values[:, :, :live]
         else:
             keys, values = self._in_order()  # a free slot inside the ring
@@ -107,6 +104,11 @@ class ExactRing:
             keys = torch.cat([keys, *(k for k, _ in extra)], dim=2)
             values = torch.cat([values, *(v for _, v in extra)], dim=2)
         return keys, values
+
+    def _live_first(self) -> bool:
+        """Whether the live rows are the buffer's first ones (the whole buffer, or a window still filling), so they
+        are read in place."""
+        return self.n_sinks + self.count == self.keys.shape[2] or self.head == 0
 
     def _window_positions(self) -> torch.Tensor:
         """Buffer rows of the window, oldest first."""
