@@ -88,3 +88,13 @@ def test_shared_prefill_gives_the_same_rows_as_separate_runs(tmp_path, setup):
         assert (a["spec"], a["task"], a["nbytes"], a.get("answer")) == (b["spec"], b["task"], b["nbytes"], b.get("answer"))
         if a["task"] == "ppl":
             assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-4)
+
+
+def test_interleave_without_the_cost_task_is_refused(tmp_path, capsys):
+    """`--interleave` changes only how the cost task runs: asked of a run without it, a clear error, nothing run."""
+    from kvshrink.cli import main
+
+    out = tmp_path / "niah"
+    assert main(["eval", "niah", "--suite", "quick", "--methods", "full", "--interleave", "--out", str(out)]) == 2
+    assert "--interleave applies to the cost task only; this run has niah" in capsys.readouterr().err
+    assert not out.exists()

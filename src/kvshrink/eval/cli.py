@@ -79,6 +79,8 @@ def run_eval(args: argparse.Namespace) -> int:
                           args.agreement_tokens, args.repeats, subtasks)
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    if args.interleave and "cost" not in suite.tasks:
+        raise ValueError(f"--interleave applies to the cost task only; this run has {', '.join(suite.tasks)}")
     options = RunOptions(seed=args.seed, max_new_tokens=args.max_new_tokens, limit=args.limit,
                          threads=args.threads, model_ref=args.model, device=args.device, dtype=args.dtype,
                          progress=not args.no_progress, interleave=args.interleave)
