@@ -98,3 +98,16 @@ def test_interleave_without_the_cost_task_is_refused(tmp_path, capsys):
     assert main(["eval", "niah", "--suite", "quick", "--methods", "full", "--interleave", "--out", str(out)]) == 2
     assert "--interleave applies to the cost task only; this run has niah" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_interleaved_repeats_prefill_every_method_first_in_turn():
+    """`cost.prefill_order`: repeat r prefills from the r-th method on (wrapping), so over as many repeats as
+    methods each one is prefilled first once and the set is never changed."""
+    from kvshrink.eval.cost import prefill_order
+
+    specs = ["full", "shard", "lrqk"]
+    orders = [prefill_order(specs, repeat) for repeat in range(4)]
+    assert orders[:3] == [["full", "shard", "lrqk"], ["shard", "lrqk", "full"], ["lrqk", "full", "shard"]]
+    assert orders[3] == orders[0]
+    assert {order[0] for order in orders[:3]} == set(specs) and all(sorted(o) == sorted(specs) for o in orders)
+    assert specs == ["full", "shard", "lrqk"]        # the job's list is not reordered in place

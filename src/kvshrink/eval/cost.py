@@ -79,6 +79,13 @@ def measure(job: dict) -> None:
         print(MARK + json.dumps(row), flush=True)
 
 
+def prefill_order(specs: list[str], repeat: int) -> list[str]:
+    """The order an interleaved job prefills ``specs`` in: rotated by ``repeat``, so that over repeats each method
+    is prefilled first (a cold start) and last (beside the most memory) in turn."""
+    turn = repeat % len(specs)
+    return specs[turn:] + specs[:turn]
+
+
 def measure_interleaved(job: dict) -> None:
     """Every spec of ``job["specs"]`` at each length in one process: the caches prefilled one after another (from
     the ``job["repeat"]``-th spec on, so repeats share out the first and last places), then greedy-decoded one step
@@ -89,8 +96,7 @@ def measure_interleaved(job: dict) -> None:
     backend, model, corpus = _setup(job)
     device = model_device(model)
     steps = int(job["new_tokens"]) - 1          # forwards after the prefill, as greedy_decode makes them
-    turn = int(job.get("repeat", 0)) % len(job["specs"])
-    order = job["specs"][turn:] + job["specs"][:turn]   # each repeat prefills first a different method
+    order = prefill_order(job["specs"], int(job.get("repeat", 0)))
     for length in job["lengths"]:
         prompt = corpus.ids[:length]
         runs = {}
