@@ -378,6 +378,49 @@ def test_gpu_path_on_cuda_bf16(policy, monkeypatch):
     assert transfers == layers and len(syncs) <= layers, syncs
 
 
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_proxy_ranking_sums_copies_and_ranks_ties_as_the_cpu_paths(copies):
+    """The kernel's mass summed over each KV row's factor rows equals the torch oracle's sum, its keys equal
+    `token_order_keys` of that mass, and a top-k of the keys is `top_k_in_token_order`'s rule: of masses tied
+    with the k-th (here zeros: scores far below the row's best underflow), the latest tokens, never left
+    padding before a real token."""
+    from kvshrink.methods.lrqk import token_order_keys, top_k_by_keys, top_k_in_token_order
+
+    g = torch.Generator().manual_seed(copies)
+    kv_rows, groups, rank, n, k = 3, 2, 16, 131, 40
+    q = torch.randn(kv_rows * copies, groups, rank, generator=g)
+    a = torch.randn(kv_rows * copies, n, rank, generator=g)
+    a[:, :100] *= 0.01                           # the first 100 tokens: tiny scores ...
+    a[:, 100:] *= 30                             # ... against ones large enough that theirs underflow to 0
+    first = torch.tensor([0, 17, 130]).repeat_interleave(copies)
+    for pad in (None, first):
+        mass, keys = lrqk_proxy.proxy_ranking(q, a, n, 1.0, pad, copies=copies)
+        want = lrqk_proxy.proxy_mass_torch(q, a, n, 1.0, pad).view(kv_rows, copies, n).sum(1)
+        torch.testing.assert_close(mass, want, rtol=1e-4, atol=1e-6)   # scores of ~100: exp's float32 rounding
+        assert torch.equal(keys, token_order_keys(mass))
+        zeros = (mass == 0).sum(1)
+        assert bool((zeros > n - k).any()), "no tie at the k-th mass: the test would not test the rule"
+        for policy in ("lru", "attention", "set"):
+            got, want = top_k_by_keys(keys, k, policy), top_k_in_token_order(mass, k, policy)[1]
+            assert torch.equal(got if policy != "set" else got.sort(1).values, want)
+        if pad is not None:                      # one visible token: it, then the latest of the zeros
+            assert top_k_by_keys(keys, k, "lru")[2].tolist() == list(range(n - k, n))
+
+
+def test_token_order_keys_rank_as_the_tie_rule():
+    """`token_order_keys`: a larger mass ranks above, equal masses by the later token, NaN tied with inf (the
+    torch rule's ranking) above every finite mass."""
+    from kvshrink.methods.lrqk import token_order_keys, top_k_by_keys, top_k_in_token_order
+
+    mass = torch.tensor([[0.5, 0.0, 0.2, 0.0, 0.0, 0.2, 0.1, float("nan"), 3.0]])
+    order = torch.argsort(token_order_keys(mass), dim=1, descending=True)
+    assert order.tolist() == [[7, 8, 0, 5, 2, 6, 4, 3, 1]]
+    for k in range(1, 10):
+        for policy in ("lru", "attention"):
+            assert torch.equal(top_k_by_keys(token_order_keys(mass), k, policy),
+                               top_k_in_token_order(mass, k, policy)[1])
+
 _COMPILE_SCRIPT = r"""
 import importlib.util, os, sys, types
 import triton
@@ -398,7 +441,8 @@ proxy = {"q_ptr": P, "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, "R": I
          "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
 kernels = [
     (k._proxy_stats, {**proxy, "m_ptr": P, "l_ptr": P, "n_blocks": I}, {"BLOCK_R": 32, "BLOCK_N": 64}),
-    (k._proxy_mass_kernel, {**proxy, "lse_ptr": P, "mass_ptr": P}, {"BLOCK_R": 32, "BLOCK_N": 64}),
+    (k._proxy_mass_kernel, {**proxy, "lse_ptr": P, "mass_ptr": P, "key_ptr": "*i64", "COPIES": "constexpr"},
+     {"BLOCK_R": 32, "BLOCK_N": 64, "COPIES": 2}),
     (k._proxy_lse, {"m_ptr": P, "l_ptr": P, "lse_ptr": P, "n_blocks": I, "BLOCK_G": "constexpr",
                     "BLOCK_B": "constexpr"}, {"BLOCK_B": 32}),
     (k._gathered_attention_kernel,

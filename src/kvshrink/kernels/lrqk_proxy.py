@@ -6,8 +6,9 @@ of a factor head, turned into the estimated attention mass the selection ranks b
 candidates per query, summed over the queries of the group (``LRQKLayer._select``'s torch ops). Two
 kernels over (row, block of tokens): the first writes each block's max and sum of exponentials per query,
 a small one per row combines them into the log-sum-exp, the second recomputes the scores (r-long dot
-products, cheaper than storing them) and writes the mass once, ``[rows, n]`` float32. ``torch.topk`` on the
-device then picks the top-k.
+products, cheaper than storing them) and writes the mass once, ``[rows, n]`` float32, with each token's
+ranking key (mass bits, then token index). ``torch.topk`` of the keys on the device then picks the top-k, ties
+broken as on the CPU paths.
 
 ``gathered_attention``: exact attention of a KV head's query group over (1) the slots listed in
 ``slot_index`` (this step's selection, read by index inside the kernel), (2) a contiguous tail (the
@@ -28,7 +29,7 @@ from kvshrink.kernels.backend import triton as _load_triton
 triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
 import triton.language as tl  # noqa: E402
 
-__all__ = ["proxy_mass", "proxy_mass_torch", "gathered_attention", "gathered_attention_torch"]
+__all__ = ["proxy_mass", "proxy_ranking", "proxy_mass_torch", "gathered_attention", "gathered_attention_torch"]
 
 
 
@@ -99,19 +100,29 @@ def _proxy_lse(m_ptr, l_ptr, lse_ptr, n_blocks, BLOCK_G: tl.constexpr, BLOCK_B: 
 
 
 @triton.jit
-def _proxy_mass_kernel(q_ptr, a_ptr, pad_ptr, lse_ptr, mass_ptr, n, G, R, a_row_stride, a_tok_stride, scale,
-                      HAS_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
+def _proxy_mass_kernel(q_ptr, a_ptr, pad_ptr, lse_ptr, mass_ptr, key_ptr, n, G, R, a_row_stride, a_tok_stride,
+                      scale, HAS_PAD: tl.constexpr, COPIES: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one KV row's mass over a token block, summed over its COPIES factor rows, and each token's ranking key:
+    # the mass's float bits (NaN as inf: tied with it, as the CPU rule ranks it) above the token index, so a
+    # top-k of the keys takes, of masses tied with the k-th, the latest tokens (`lrqk.top_k_in_token_order`)
+    kv_row = tl.program_id(0)
     blk = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
-    s, t, valid = _proxy_block(q_ptr, a_ptr, pad_ptr, row, blk, n, G, R, a_row_stride, a_tok_stride, scale,
-                               HAS_PAD, BLOCK_G, BLOCK_R, BLOCK_N)
-    lse = tl.load(lse_ptr + row * BLOCK_G + g)
-    live = (g < G) & (lse > float("-inf"))
-    keep = live[:, None] & valid[None, :]
-    p = tl.where(keep, tl.exp(tl.where(keep, s, 0.0) - tl.where(live, lse, 0.0)[:, None]), 0.0)
-    tl.store(mass_ptr + row * n + t, tl.sum(p, axis=0), mask=t < n)
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for c in tl.static_range(COPIES):
+        row = kv_row * COPIES + c
+        s, t, valid = _proxy_block(q_ptr, a_ptr, pad_ptr, row, blk, n, G, R, a_row_stride, a_tok_stride, scale,
+                                   HAS_PAD, BLOCK_G, BLOCK_R, BLOCK_N)
+        lse = tl.load(lse_ptr + row * BLOCK_G + g)
+        live = (g < G) & (lse > float("-inf"))
+        keep = live[:, None] & valid[None, :]
+        p = tl.where(keep, tl.exp(tl.where(keep, s, 0.0) - tl.where(live, lse, 0.0)[:, None]), 0.0)
+        total += tl.sum(p, axis=0)
+    t = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(mass_ptr + kv_row * n + t, total, mask=t < n)
+    ranked = tl.where(total != total, float("inf"), total).to(tl.int32, bitcast=True).to(tl.int64)
+    tl.store(key_ptr + kv_row * n + t, (ranked << 32) | t.to(tl.int64), mask=t < n)
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k, v, valid, scale):
@@ -202,6 +213,16 @@ def proxy_mass(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling:
     (``T >= n``, any float dtype, last dim contiguous): the key factors; ``first`` ``[rows]``: the first
     visible token of each row (left padding), or None. The mass is the softmax of the scores over the
     candidates per query, summed over the row's G queries (0 where a row has no visible candidate)."""
+    return proxy_ranking(q_hat, a_k, candidates, scaling, first, block_n=block_n)[0]
+
+
+def proxy_ranking(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling: float,
+                  first: torch.Tensor | None = None, copies: int = 1, block_n: int = 64
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``proxy_mass`` summed over each KV row's ``copies`` consecutive factor rows (``[rows / copies, n]``), and
+    each token's ranking key ``[rows / copies, n]`` int64 (`lrqk.token_order_keys`: the mass's bits above the
+    token index), written by the same kernel: ``torch.topk`` of the keys is the CPU paths' tie rule at no
+    extra launch."""
     kern = _get()
     rows, groups, rank = q_hat.shape
     q_hat = q_hat.float().contiguous()
@@ -221,11 +242,13 @@ def proxy_mass(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling:
     lse = torch.empty(rows, bg, dtype=torch.float32, device=dev)
     with counting.kernel_launch("lrqk_lse"):
         kern["lse"][(rows,)](m, l_sum, lse, n_blocks, BLOCK_G=bg, BLOCK_B=32)
-    mass = torch.empty(rows, candidates, dtype=torch.float32, device=dev)
+    mass = torch.empty(rows // copies, candidates, dtype=torch.float32, device=dev)
+    keys = torch.empty(rows // copies, candidates, dtype=torch.int64, device=dev)
     with counting.kernel_launch("lrqk_mass"):
-        kern["mass"][grid](q_hat, a_k, pad, lse, mass, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
-                           float(scaling), HAS_PAD=has_pad, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
-    return mass
+        kern["mass"][(rows // copies, n_blocks)](
+            q_hat, a_k, pad, lse, mass, keys, candidates, groups, rank, a_k.stride(0), a_k.stride(1),
+            float(scaling), HAS_PAD=has_pad, COPIES=copies, BLOCK_G=bg, BLOCK_R=br, BLOCK_N=block_n)
+    return mass, keys
 
 
 def proxy_mass_torch(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scaling: float,

@@ -290,11 +290,11 @@ class LRQKLayer(CacheLayer):
             else:
                 f, cap = self.a_k.shape[1], self.a_k.shape[2]
                 first = ctx.pad_len.to(device).repeat_interleave(f) if ctx.pad_len is not None else None
-                mass = lrqk_proxy.proxy_mass(self._q_hat.reshape(b * f, -1, self.rank),
-                                             self.a_k.view(b * f, cap, self.rank), candidates, ctx.scaling, first)
-                if self.copies > 1:
-                    mass = mass.view(rows, self.copies, candidates).sum(1)
-                top_mass, selected = top_k_in_token_order(mass, min(self.top_k, candidates), self.policy)
+                mass, keys = lrqk_proxy.proxy_ranking(self._q_hat.reshape(b * f, -1, self.rank),
+                                                      self.a_k.view(b * f, cap, self.rank), candidates, ctx.scaling,
+                                                      first, copies=self.copies)
+                selected = top_k_by_keys(keys, min(self.top_k, candidates), self.policy)
+                top_mass = mass.gather(-1, selected) if self.policy == "attention" else None
             prefetched, ahead = self._take_prefetch(), None
             extra = min(self.extra, candidates - selected.shape[1])
             if self.prefetch_on and extra > 0:     # the best-ranked tokens outside this step's top-k
@@ -794,17 +794,12 @@ def top_k_in_token_order(mass: torch.Tensor, k: int, policy: str) -> tuple[torch
     and their indices, in token order under the ``lru`` and ``attention`` policies: which slot a missing token
     takes follows this order, and their later evictions follow the slots, so every path orders it the same way.
 
-    Of the values tied with the k-th, the CPU paths take the latest tokens (`lowrank_fused.proxy_top_k` follows the
-    same rule; ``torch.topk`` leaves it to the device's kernel, and two CPUs were seen to differ): the reference
-    and the fast path select the same tokens, and a real token whose proxy mass underflowed to zero is never
-    passed over for left padding. The GPU path keeps ``torch.topk``'s choice among ties (the rule costs ~14
-    launches a layer in torch ops; under ``set`` it does not even sort: every slot not selected is free)."""
-    if gpu_path(mass):
-        top_mass, selected = torch.topk(mass, k, dim=-1, sorted=False)
-        if policy == "set":
-            return top_mass, selected
-        selected, order = selected.sort(dim=-1)
-        return top_mass.gather(-1, order), selected
+    Of the values tied with the k-th, every path takes the latest tokens (``torch.topk`` leaves it to the
+    device's kernel, and two CPUs were seen to differ; `lowrank_fused.proxy_top_k` follows the same rule): the
+    reference and the fast paths select the same tokens, and a real token whose proxy mass underflowed to zero is
+    never passed over for left padding. The GPU path's proxy kernel writes `token_order_keys` instead: one
+    ``torch.topk`` of them (`top_k_by_keys`) is the rule there, where these torch ops would cost ~14 launches a
+    layer."""
     ranked = mass.nan_to_num(nan=float("inf"))
     kth = torch.topk(ranked, k, dim=-1).values[..., -1:]
     above, tied = ranked > kth, ranked == kth
@@ -812,6 +807,21 @@ def top_k_in_token_order(mass: torch.Tensor, k: int, policy: str) -> tuple[torch
     take = above | (tied & (from_end <= k - above.sum(-1, keepdim=True)))
     selected = torch.sort(take.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :k]
     return mass.gather(-1, selected), selected
+
+
+def top_k_by_keys(keys: torch.Tensor, k: int, policy: str) -> torch.Tensor:
+    """`top_k_in_token_order`'s selection from `token_order_keys` (its masses not gathered: the GPU path reads them
+    only under the ``attention`` policy). Under ``set`` not even sorted: every slot not selected is free."""
+    selected = torch.topk(keys, k, dim=-1, sorted=False).indices
+    return selected if policy == "set" else selected.sort(dim=-1).values
+
+
+def token_order_keys(mass: torch.Tensor) -> torch.Tensor:
+    """Ranking keys of a non-negative float32 ``mass [..., n]`` (int64): its bits (NaN as inf) above the token
+    index, so the larger key is the larger mass, or among equal ones the later token (the oracle of the GPU
+    proxy kernel's keys; `top_k_in_token_order`'s rule as one ``torch.topk``)."""
+    bits = mass.float().nan_to_num(nan=float("inf")).view(torch.int32).to(torch.int64)
+    return (bits << 32) | torch.arange(mass.shape[-1], device=mass.device)
 
 
 def _kernel_basis(basis: torch.Tensor) -> torch.Tensor:
