@@ -475,3 +475,49 @@ def test_the_one_pass_ring_step_equals_pop_encode_and_put(planted):
     else:
         assert torch.equal(kv.view(torch.int16), want_kv.view(torch.int16))
         assert torch.equal(codes, want_codes) and torch.equal(norm.view(torch.int16), want_norm.view(torch.int16))
+
+
+_COLD_DECODE_SCRIPT = r"""
+import sys, torch, kvshrink
+from numba.core.registry import CPUDispatcher
+from transformers import LlamaConfig, LlamaForCausalLM
+from kvshrink.codecs import fused, lowrank_fused
+
+spec, options = sys.argv[1], eval(sys.argv[2])
+torch.set_num_threads(2)                 # the parallel kernels too, as a user's process runs them
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=128, hidden_size=80, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=5, num_key_value_heads=5, head_dim=16, max_position_embeddings=2048)
+model = LlamaForCausalLM(cfg).eval()
+cache = kvshrink.make_cache(spec, model, **options)
+with torch.no_grad():
+    out = model(torch.randint(0, 128, (1, 300)), past_key_values=cache)
+
+
+def signatures():
+    return {(module.__name__, name): len(f.signatures) for module in (fused, lowrank_fused)
+            for name, f in vars(module).items() if isinstance(f, CPUDispatcher)}
+
+
+before = signatures()
+assert any(before.values())
+with torch.no_grad():
+    for _ in range(20):
+        out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+print({key: (before[key], n) for key, n in signatures().items() if n != before[key]})
+"""
+
+
+@pytest.mark.parametrize("spec,options", [("shard", {"sinks": 4, "window": 16}), ("lrqk", {"top_k": 32, "window": 16})])
+def test_decoding_compiles_no_kernel(spec, options):
+    """`make_cache` warms the numba kernels decoding will run (in a fresh process: compiled kernels are the
+    process's), for this model's number of PCA scopes (one per KV head: five here) and the stream's views of its
+    buffer (reached once the ring is full): 20 decode steps add no signature to any kernel (each one compiled
+    costs seconds on a fresh machine; numba's cache on disk makes the test quick)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _COLD_DECODE_SCRIPT, spec, repr(options)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "{}", done.stdout

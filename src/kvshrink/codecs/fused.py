@@ -889,19 +889,25 @@ def _use_threads() -> bool:
     ``--threads``; numba's are set to as many, no more), and numba's threading layer starts a parallel loop in
     microseconds (OpenMP or TBB; its portable work queue costs ~150 us a call, more than the loops it would
     split: then the serial kernels run)."""
-    global _threads_usable
     if _threads_forced is not None:
         return _threads_forced
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if threads < 2:
+    if threads < 2 or not threading_layer_usable():
         return False
+    if getattr(_WORKSPACE, "numba_threads", None) != threads:
+        numba.set_num_threads(threads)          # numba's count is per calling thread, as the workspace is
+        _WORKSPACE.numba_threads = threads
+    return True
+
+
+def threading_layer_usable() -> bool:
+    """Whether numba's threading layer is one that starts a parallel loop in microseconds (`_use_threads`), found
+    once by starting it with a tiny parallel kernel (the warm-ups call it: that kernel is compiled then)."""
+    global _threads_usable
     if _threads_usable is None:
         _value_bins_parallel(np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.uint8), 8, 1,
                              np.zeros((1, 1, 256, 4), np.float32))
         _threads_usable = numba.threading_layer() in _THREADED_LAYERS
-    if _threads_usable and getattr(_WORKSPACE, "numba_threads", None) != threads:
-        numba.set_num_threads(threads)          # numba's count is per calling thread, as the workspace is
-        _WORKSPACE.numba_threads = threads
     return _threads_usable
 
 
@@ -1323,34 +1329,56 @@ def index_codebook(codebook: torch.Tensor) -> None:
                                       np.float32(_CELL_STEP), _CELLS_PER_DIM, np.float32(_CELL_MARGIN))
 
 
-def warm_up() -> None:
+_warmed: set = set()   # what `warm_up` has compiled or loaded in this process: scope counts, and "rest"
+
+
+def warm_up(scopes: int = 1) -> None:
     """Compile (or load from numba's cache) the kernels now, on a tiny input, so the first decode
-    step is not charged with it."""
+    step is not charged with it. ``scopes``: the caller's number of PCA scopes per layer (the kernels over a
+    tuple of scopes are compiled once per tuple length: ~4 s each on a fresh machine, measured)."""
     if numba is None:
         return
+    threading_layer_usable()
+    for count in sorted({1, scopes} - _warmed):
+        _warm_up_scopes(count)
+        _warmed.add(count)
+    if "rest" not in _warmed:
+        _warm_up_rest()
+        _warmed.add("rest")
+
+
+def _warm_up_scopes(scopes: int) -> None:
+    # the coded-block kernels over ``scopes`` PCA scopes of one head each
     from .pca import PCACode
     from .table_decoder import run_layout
 
     code = PCACode(mean=torch.zeros(2), basis_q=torch.zeros(2, 4, dtype=torch.int8), basis_scale=torch.ones(4),
                    coeff_step=torch.ones(4), codes=torch.zeros(1, 2, 1, dtype=torch.uint8), runs=[(2, 0, 4, 0, 1)])
+    layout, codes = run_layout([code] * scopes), [code.codes] * scopes
+    scaled, mean = torch.zeros(scopes, 4, 2), torch.zeros(scopes, 2)
+    v_codes = torch.zeros(1, scopes, 2, 1, dtype=torch.uint8)
     for _ in each_kernel_variant():
-        code_attention(code.codes.unsqueeze(1), run_layout([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2),
-                       torch.ones(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, 1, 2), 1.0, None,
-                       torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1, rows=torch.arange(2))
-        parts = StepParts(torch.zeros(1, 1, 1, 2), 1.0, 2)   # the decode step's layouts of the same kernels
-        parts.code([code.codes], run_layout([code]), torch.zeros(1, 4, 2), torch.zeros(1, 2), torch.ones(1, 1, 2),
-                   torch.zeros(1, 1, 2), None, torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 8, 1, torch.arange(2),
-                   torch.zeros(256, 2), torch.ones(1, 2), torch.eye(2))
-        parts.add(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1))
+        code_attention(torch.stack(codes, 1), layout, scaled, mean, torch.ones(1, 1, 2), torch.zeros(1, 1, 2),
+                       torch.zeros(1, scopes, 1, 2), 1.0, None, v_codes, 8, 1, rows=torch.arange(2))
+        parts = StepParts(torch.zeros(1, scopes, 1, 2), 1.0, 2)   # the decode step's layouts of the same kernels
+        hidden = torch.zeros(1, scopes, 1, dtype=torch.int32)    # a row held apart (Shard's salient tokens)
+        parts.code(codes, layout, scaled, mean, torch.ones(1, 1, 2), torch.zeros(1, 1, 2), hidden, v_codes, 8, 1,
+                   torch.arange(2), torch.zeros(256, 2), torch.ones(scopes, 2), torch.eye(2))
+        parts.add(torch.zeros(1, scopes, 1, 2), torch.zeros(1, scopes, 1))
         parts.merged()
+    scaled_bases((np.zeros((2, 1), np.int8),) * scopes, torch.ones(scopes, 1, 1), None)
+
+
+def _warm_up_rest() -> None:
+    # the kernels whose types do not depend on the scopes
     from .groupwise import quantize_groups
     from .lloyd_max import TurboCode, TurboQuantizer
 
     vectors = quantize_groups(torch.ones(1, 1, 1, 2), 8, 2)
     turbo = TurboQuantizer(4, 4)
-    code = turbo.encode(torch.ones(1, 1, 1, 4))
-    buffer = TurboCode(norm=torch.ones(2, 1, 1, 3, dtype=torch.float16),
-                       codes=torch.zeros(2, 1, 1, 3, 2, dtype=torch.uint8))
+    code = turbo.encode(torch.ones(1, 2, 1, 4))
+    buffer = TurboCode(norm=torch.ones(2, 1, 2, 3, dtype=torch.float16),   # two heads: its first tokens' views
+                       codes=torch.zeros(2, 1, 2, 3, 2, dtype=torch.uint8))  # are not contiguous, as in a step
     codes, norm = turbo_arrays(buffer)
     parts = StepParts(torch.zeros(1, 1, 1, 2), 1.0, 6)
     for dtype in (torch.float32, torch.float16):
@@ -1359,12 +1387,13 @@ def warm_up() -> None:
     ring = ring_words(torch.zeros(2, 1, 1, 2, 2, dtype=torch.float16))
     parts.ring(ring, 2, torch.float16, None)
     parts.ring(ring, 2, torch.bfloat16, (torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2)))
-    parts = StepParts(torch.ones(1, 1, 1, 4), 1.0, 2)          # the stream: compact codes and a buffer's views
+    parts = StepParts(torch.ones(1, 2, 1, 4), 1.0, 2)          # the stream: compact codes and a buffer's views
     parts.turbo(turbo, turbo_arrays(code), turbo_arrays(code))
     parts.turbo(turbo, (codes[0, ..., :1, :], norm[0, ..., :1]), (codes[1, ..., :1, :], norm[1, ..., :1]))
-    scaled_bases((np.zeros((2, 1), np.int8),), torch.ones(1, 1, 1), None)
     turbo_encode_into(turbo, torch.ones(1, 1, 4), torch.zeros(1, 1, 2, dtype=torch.uint8),
                       torch.zeros(1, 1, dtype=torch.float16), 0)
+    ring_step(turbo, ring_words(torch.zeros(2, 1, 2, 2, 4, dtype=torch.float16)), 0, torch.zeros(1, 2, 1, 4),
+              torch.zeros(1, 2, 1, 4), *stream_words(buffer.codes, buffer.norm), 0)
     nearest_codewords(torch.zeros(1, 2), torch.zeros(2, 2))
     corners = torch.tensor([[-1.0] * 4, [1.0] * 4])
     index_codebook(corners)

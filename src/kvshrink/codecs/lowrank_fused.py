@@ -436,6 +436,7 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) the kernel now, on a tiny input."""
     if not available():
         return
+    fused.threading_layer_usable()
     b = torch.eye(2, 4).unsqueeze(0)
     decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b, b, torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), 1.0, True)
     for _ in fused.each_kernel_variant():

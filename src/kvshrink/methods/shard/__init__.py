@@ -100,7 +100,7 @@ def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
 
     cfg = ShardConfig(**options)
     cfg.validate(info.head_dim, info.num_kv_heads)
-    shared = ShardShared(cfg, info.num_layers, info.head_dim)
+    shared = ShardShared(cfg, info.num_layers, info.head_dim, info.num_kv_heads)
     if cfg.key_alloc == "global":
         shared.layer_key_bits = global_key_budgets(model, info, cfg)
     cache = KVShrinkCache("shard", options, info, lambda spec: ShardLayer(spec, shared), multi_turn=multi_turn)

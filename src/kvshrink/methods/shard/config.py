@@ -109,6 +109,10 @@ class ShardConfig:
         if self.rank > head_dim * num_kv_heads:
             self._bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
 
+    def pca_scopes(self, num_kv_heads: int) -> int:
+        """Key PCAs per layer: one per KV head, or one for all of them."""
+        return num_kv_heads if self.pca_scope == "head" else 1
+
     @property
     def evicts(self) -> bool:
         """Whether the prompt's least-attended middle tokens may be evicted (`evict` > 0; `ratio` sets how many)."""

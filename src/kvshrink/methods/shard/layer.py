@@ -738,7 +738,7 @@ class ShardLayer(CacheLayer):
         b, h, _, d = key.shape
         n = key.shape[2] if rows is None else rows.numel()
         cos, sin = rope
-        scopes = h if self.cfg.pca_scope == "head" else 1
+        scopes = self.cfg.pca_scopes(h)
         width = h * d // scopes
         column_scale = self.key_column_scale(width)
         scales = [None] * scopes if column_scale is None else list(column_scale)

@@ -21,7 +21,7 @@ class ShardShared:
     """State shared by the layers of one cache: quantizers, codebooks, per-layer key budgets, and a
     per-step memo of RoPE tables (the middle's positions are the same in every layer)."""
 
-    def __init__(self, cfg: ShardConfig, num_layers: int, head_dim: int):
+    def __init__(self, cfg: ShardConfig, num_layers: int, head_dim: int, num_kv_heads: int):
         self.cfg = cfg
         self.rotation = RandomRotation(head_dim, cfg.seed)
         self.turbo = TurboQuantizer(head_dim, cfg.stream_bits, qjl=cfg.qjl, seed=cfg.seed + 1)
@@ -35,7 +35,7 @@ class ShardShared:
         # Without numba the fast path is the torch ops (the same answers, slower), as LRQK's kernel option.
         self.fast = cfg.kernel == "fast" and fused.available()
         if self.fast:
-            fused.warm_up()
+            fused.warm_up(cfg.pca_scopes(num_kv_heads))
             if cfg.v_fit == "gaussian":  # the codebook every block uses, as the blocks store it (float16)
                 fused.index_codebook(self.v_codebook.to(torch.float16))
         self._rope_ctx: StepContext | None = None
