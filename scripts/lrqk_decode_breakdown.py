@@ -28,13 +28,17 @@ for n in ["_update_factor_vectors_fast", "_resident_sums", "_resident_attention"
     if hasattr(L.LRQKLayer, n): timed(L.LRQKLayer, n, "layer." + n)
 timed(T.SlotTier, "select", "slots.select")
 LF = importlib.import_module('kvshrink.codecs.lowrank_fused')
+timed(importlib.import_module('kvshrink.methods.lrqk_fused'), "decode_step", "lrqk_fused.decode_step")
+timed(L.LRQKLayer, "_compiled_decode", "layer._compiled_decode")
 timed(LF, "decode_step", "numba.decode_step")
 timed(L, "decode_factor_vectors"); timed(L, "line_search_basis_step")
 timed(L, "exact_partial", "lrqk.exact_partial(window)")
 timed(B, "merge_partials")
 timed(B.CacheLayer, "attend", "attend(all)")
+timed(importlib.import_module("kvshrink.cache.exact_layer").ExactLayer, "attend", "attend(exact)")
+timed(L.LRQKLayer, "attend", "attend(lrqk)")
 WHO = sys.argv[4] if len(sys.argv) > 4 else "lrqk"
-SPECS = ["full", "lrqk"] + sys.argv[5:]
+SPECS = ["full", WHO] + sys.argv[5:]
 length = int(sys.argv[1]); steps = int(sys.argv[2])
 be = KVShrinkBackend(None); model, tok = be.load_model()
 ids = TokenCorpus(tok).ids[:length]

@@ -56,6 +56,44 @@ def test_fast_decode_equals_reference(models, family, options):
 
 
 @pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("lengths", [[90, 70, 81], [40]], ids=["padded-batch", "one-row"])
+def test_default_layout_decodes_in_one_compiled_call_per_layer(models, monkeypatch, compiled, lengths):
+    """The default layout on a float32 model decodes each layer in one `lrqk_fused` call (every decode step
+    once the prompt has candidates), or with it switched off through the per-phase kernels: the reference's
+    tokens, logits, data movement and state either way."""
+    from kvshrink.methods import lrqk_fused
+    from kvshrink.methods.lrqk import LRQKLayer
+
+    calls = []
+    step = lrqk_fused.decode_step
+    model = models["llama"]
+    d = model.config.hidden_size // model.config.num_attention_heads
+    # (the warm-ups' calls, on a head size of 2, are not decode steps)
+    monkeypatch.setattr(lrqk_fused, "decode_step", lambda *a, **k: calls.append(a[0].shape[2] == d) or step(*a, **k))
+    if not compiled:
+        monkeypatch.setattr(LRQKLayer, "_compiled_decode", lambda self, *a: None)
+    ids, mask = left_pad(prompts(lengths))
+    caches = {k: kvshrink.make_cache("lrqk", model, kernel=k, top_k=8, window=4) for k in ("reference", "fast")}
+    ref_seq, ref_logits = greedy(model, ids, mask, caches["reference"], new_tokens=10)
+    seq, logits = greedy(model, ids, mask, caches["fast"], new_tokens=10)
+    # greedy's 10 tokens: a prefill and 9 decode steps, each layer of each batch row in one call
+    assert sum(calls) == (9 * model.config.num_hidden_layers * len(lengths) if compiled else 0)
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for key in ("selected_rows", "missed_rows", "bytes_moved", "fast_tier_bytes"):
+        assert caches["fast"].stats()[key] == caches["reference"].stats()[key], key
+    for a, b in zip(one_row_layers(caches["reference"].layers), one_row_layers(caches["fast"].layers)):
+        for ref, got in ((a.b_q, b.b_q), (a.b_k, b.b_k)):
+            assert float((ref - got).norm() / ref.norm()) < 1e-3
+        torch.testing.assert_close(a.a_k[:, :, : a.a_len].float(), b.a_k[:, :, : b.a_len].float(), rtol=1e-3, atol=1e-3)
+        assert torch.equal(a.slots.token, b.slots.token)
+        assert torch.equal(a.slots.chosen, b.slots.chosen)
+        assert torch.equal(a.slots.keys, b.slots.keys) and torch.equal(a.slots.values, b.slots.values)
+        assert torch.equal(a.win_k, b.win_k)
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
 def test_fused_factor_step_equals_torch():
     g = torch.Generator().manual_seed(0)
     n, heads, d, r, s = 3, 3, 16, 4, 20
@@ -272,6 +310,7 @@ def test_unpadded_row_attends_without_a_mask_once_the_slots_hold_only_the_select
     masked = []
     build = LRQKLayer._visible_keys
     monkeypatch.setattr(LRQKLayer, "_visible_keys", lambda self, *a: masked.append(1) or build(self, *a))
+    monkeypatch.setattr(LRQKLayer, "_compiled_decode", lambda self, *a: None)   # the per-phase path's mask
     model = models["qwen2"]
     ids, mask = left_pad(prompts([10]))
     caches = {k: kvshrink.make_cache("lrqk", model, kernel=k, top_k=8, window=4) for k in ("reference", "fast")}

@@ -38,6 +38,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +64,7 @@ from kvshrink.codecs.lowrank import (
     key_factors,
     line_search_basis_step,
 )
+from kvshrink.methods import lrqk_fused
 from kvshrink.methods.lrqk_prefill import chunked_prefill
 from kvshrink.methods.lrqk_report import (
     layer_stats,
@@ -75,8 +77,10 @@ from kvshrink.methods.lrqk_report import (
 from kvshrink.methods.lrqk_tiers import (
     POLICIES,
     SLOW_TIERS,
+    FillReport,
     SlotTier,
     SlowTier,
+    check_narrowed,
     half_words,
     make_slow_tier,
     shift_in_narrowed,
@@ -174,6 +178,7 @@ class LRQKLayer(CacheLayer):
         if self.fast:
             lowrank_fused.warm_up()  # compile or load the kernels now, not in the first timed decode step
             warm_up_fill_planner()
+            lrqk_fused.warm_up()
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 
@@ -249,17 +254,72 @@ class LRQKLayer(CacheLayer):
             return super().attend(query, ctx)
         key, value = self._pending
         self._query = query
-        self._update_factor_vectors(query)
         candidates = ctx.past_len - min(self.window, ctx.past_len)
-        if self._on_gpu_path(query):
+        out = self._compiled_decode(query, key, value, ctx, candidates)
+        if out is not None:
+            pass
+        elif self._on_gpu_path(query):
+            self._update_factor_vectors(query)
             out = self._gpu_decode(query, key, value, ctx, candidates)
         else:
+            self._update_factor_vectors(query)
             if candidates > 0:
                 self._select_and_fill(query, ctx, candidates)
             out = self._resident_attention(query, key, value, ctx, candidates)
         self._pending = None
         self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    # ---- the CPU path in one call ------------------------------------------------------------------
+    def _compiled_decode_runs(self, query: torch.Tensor, key: torch.Tensor, candidates: int) -> bool:
+        """Whether ``lrqk_fused`` answers this decode step: numba, a CPU float32 model, the layer in its default
+        layout (float16 slots, a full float16 window, float16 factors per KV head, a float32 slow tier in host
+        memory) and the paper's selection (the ``set`` policy, no prefetch, no diagnostics)."""
+        if not (self.fast and candidates > 0 and fused.available() and self.policy == "set" and not self.prefetch_on
+                and not self.exact_selection and not self.measure_recall and self.copies == 1):
+            return False
+        if not (query.dtype == key.dtype == torch.float32 and query.device.type == "cpu" and not gpu_path(query)
+                and self.window
+                and self.win_k is not None and self.win_k.shape[2] == self.window and self.slow.dtype == torch.float32):
+            return False
+        held = (self.slots.keys, self.slots.values, self.win_k, self.win_v, self.a_k)
+        return all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in held)
+
+    def _compiled_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
+                         candidates: int) -> torch.Tensor | None:
+        """The fast CPU decode step in one compiled call (``lrqk_fused``): factor update, selection, slot fill and
+        attention; ``[B, H_q, 1, d]``, or None (nothing done) where it does not run."""
+        if not self._compiled_decode_runs(query, key, candidates):
+            return None
+        slow_words = self.slow.held_words()
+        if slow_words is None:
+            return None
+        b, hq, _, d = query.shape
+        rows, r, k = self.slots.rows, self.rank, min(self.top_k, candidates)
+        views = self.__dict__.setdefault("_views", fused.NumpyViews())   # (absent from a layer saved before)
+        held = (("slot_k", self.slots.keys), ("slot_v", self.slots.values), ("win_k", self.win_k),
+                ("win_v", self.win_v), ("a_k", self.a_k))
+        words = {name: views.get(name, t, half_words) for name, t in held}
+        self.b_q, self.b_k = (b_ if lowrank_fused._is_kernel_basis(b_) else lowrank_fused._basis_copy(b_)
+                              for b_ in (self.b_q, self.b_k))
+        first = ctx.pad_len.repeat_interleave(self.info.num_kv_heads).long().numpy() if ctx.pad_len is not None \
+            else np.zeros(rows, np.int64)
+        slots = self.slots
+        out, q_hat, k_hat, missed, largest = lrqk_fused.decode_step(
+            fused._numpy(query.reshape(rows, -1, d)), fused._numpy(key).reshape(rows, d),
+            fused._numpy(value).reshape(rows, d), self.b_q.numpy(), self.b_k.numpy(), words["a_k"], self.a_len,
+            slots.token.numpy(), slots.score.numpy(), slots.chosen.numpy(), (words["slot_k"], words["slot_v"]),
+            (words["win_k"], words["win_v"]), slow_words, candidates, k, first, ctx.past_len, ctx.scaling, self.lam,
+            self.update_bases, self.fit_resident)
+        slots.step += 1
+        m = int(missed.sum())
+        record_fill(self.counters, self.step_log, FillReport(selected=rows * k, missed=m,
+                                                             bytes_moved=2 * m * d * slow_words.itemsize))
+        check_narrowed(int(largest.max()))
+        self._q_hat = torch.from_numpy(q_hat).reshape(b, rows // b, -1, r)
+        self._k_hat = torch.from_numpy(k_hat).reshape(b, rows // b, r)
+        self._step_factors = None
+        return torch.from_numpy(out).reshape(b, hq, 1, d)
 
     # ---- the GPU path ----------------------------------------------------------------------------
     def _on_gpu_path(self, query: torch.Tensor) -> bool:

@@ -160,9 +160,20 @@ class SlowTier:
             self._settle()
             largest, _ = _copy_rows(self._data_words(), row.numpy(), token.numpy(), flat.numpy(), keys, values,
                                     narrow)
-        if narrow and _F32_FP16_OVERFLOW_BITS <= largest <= _F32_INF_BITS:
-            check_fp16_peak(float(np.array(largest, dtype=np.uint32).view(np.float32)))
+        if narrow:
+            check_narrowed(largest)
         return True
+
+    def held_words(self) -> np.ndarray | None:
+        """The held rows ``[length, rows, 2, d]`` as numpy unsigned words (no copy), for a compiled reader on the
+        calling thread; None where that reader cannot take them (rows on a device, a subclass that checks the
+        rows it hands out, such as the disk tier)."""
+        if not (self.length and self.data.device.type == "cpu" and self.data.element_size() in _SAME_SIZE_UINT
+                and type(self)._check_rows is SlowTier._check_rows):
+            return None
+        with self._lock:
+            self._settle()
+            return self._data_words()[: self.length]
 
     def gather_to(self, flat: torch.Tensor, device: torch.device,
                   given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -645,6 +656,45 @@ if fused.available():
                     m += 1
         return order
 
+    @njit(inline="always")
+    def plan_fill_row(r, token, score, selected, chosen, slot_of, in_selection, priority, missed):  # pragma: no cover
+        """``_plan_fill`` for row ``r`` (``selected [k]``: its selection; ``slot_of``/``in_selection``: per-row maps
+        over the token ids, all -1/False on entry and on return; ``priority [capacity]``: scratch). Writes the slot
+        each missing token takes into ``missed`` (in ``selected`` order) and returns how many there are."""
+        capacity = token.shape[1]
+        k = selected.shape[0]
+        for j in range(k):
+            in_selection[selected[j]] = True
+        for s in range(capacity):
+            t = token[r, s]
+            if t < 0:
+                priority[s] = -np.inf
+            else:
+                slot_of[t] = s
+                priority[s] = np.inf if in_selection[t] else score[r, s]
+        order = _eviction_order(priority)
+        used = 0
+        for j in range(k):
+            t = selected[j]
+            if slot_of[t] < 0:
+                s = order[used]
+                if token[r, s] >= 0:     # evicted: it is not in the selection
+                    slot_of[token[r, s]] = -1
+                token[r, s] = t
+                score[r, s] = 0.0
+                missed[used] = s
+                used += 1
+        for s in range(capacity):
+            t = token[r, s]
+            chosen[r, s] = t >= 0 and in_selection[t]
+        for s in range(capacity):   # reset the per-row maps for the next row
+            t = token[r, s]
+            if t >= 0:
+                slot_of[t] = -1
+        for j in range(k):
+            in_selection[selected[j]] = False
+        return used
+
     @njit(cache=True)
     def _plan_fill(token, score, selected, chosen, span):  # pragma: no cover - compiled
         """``SlotTier.select``'s bookkeeping for every row: the missing tokens take the first slots in
@@ -659,39 +709,14 @@ if fused.available():
         tokens = np.empty(rows * k, np.int64)
         flat = np.empty(rows * k, np.int64)
         priority = np.empty(capacity, np.float64)
+        missed = np.empty(k, np.int64)
         m = 0
         for r in range(rows):
-            for j in range(k):
-                in_selection[selected[r, j]] = True
-            for s in range(capacity):
-                t = token[r, s]
-                if t < 0:
-                    priority[s] = -np.inf
-                else:
-                    slot_of[t] = s
-                    priority[s] = np.inf if in_selection[t] else score[r, s]
-            order = _eviction_order(priority)
-            used = 0
-            for j in range(k):
-                t = selected[r, j]
-                if slot_of[t] < 0:
-                    s = order[used]
-                    used += 1
-                    if token[r, s] >= 0:     # evicted: it is not in the selection
-                        slot_of[token[r, s]] = -1
-                    token[r, s] = t
-                    score[r, s] = 0.0
-                    row_idx[m], tokens[m], flat[m] = r, t, r * capacity + s
-                    m += 1
-            for s in range(capacity):
-                t = token[r, s]
-                chosen[r, s] = t >= 0 and in_selection[t]
-            for s in range(capacity):   # reset the per-row maps for the next row
-                t = token[r, s]
-                if t >= 0:
-                    slot_of[t] = -1
-            for j in range(k):
-                in_selection[selected[r, j]] = False
+            for i in range(plan_fill_row(r, token, score, selected[r], chosen, slot_of, in_selection, priority,
+                                         missed)):
+                s = missed[i]
+                row_idx[m], tokens[m], flat[m] = r, token[r, s], r * capacity + s
+                m += 1
         return row_idx[:m].copy(), tokens[:m].copy(), flat[:m].copy()
 
     @njit(cache=True)
@@ -788,7 +813,12 @@ def shift_in_narrowed(key: np.ndarray, value: np.ndarray, factors: np.ndarray, w
     ``win_k``, ``win_v`` and the key factors ``a_k``; in place, the oldest token out) and its key factors ``factors
     [F, r]`` (float64) written into column ``column`` of the factors, in one compiled pass; ValueError, with nothing
     written, when a value is beyond float16's range (as ``store.to_storage``)."""
-    largest = _shift_in_narrowed(key, value, words[0], words[1], factors, words[2], column)
+    check_narrowed(_shift_in_narrowed(key, value, words[0], words[1], factors, words[2], column))
+
+
+def check_narrowed(largest: int) -> None:
+    """ValueError (``store.check_fp16_peak``'s) when ``largest``, the largest float32 word a compiled pass narrowed
+    to float16 (without its sign), is beyond float16's range; a NaN's word passes, as ``store.to_storage`` lets it."""
     if _F32_FP16_OVERFLOW_BITS <= largest <= _F32_INF_BITS:
         check_fp16_peak(float(np.array(largest, dtype=np.uint32).view(np.float32)))
 

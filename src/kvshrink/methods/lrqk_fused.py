@@ -1,0 +1,238 @@
+"""LRQK's whole CPU decode step for one layer in one compiled call (numba), ``kernel="fast"``'s default path.
+
+Per KV row (one KV head of one batch row; rows are independent, so numba's threads share them), in the
+order of ``LRQKLayer``'s reference path:
+
+1. the scores ``q·k`` of the tokens resident before the step (slots, window), read from their float16 words;
+2. the factor update (``lowrank_fused._head_step``) over the resident sums made from those scores;
+3. the proxy scores ``q̂·A_K`` of every candidate, their softmax summed over the group, the top-k
+   (``lowrank_fused._proxy_top_k_row``: the same tie rule);
+4. the slot fill (``lrqk_tiers.plan_fill_row``: the ``set`` policy's slots), the missing rows read from the
+   slow tier and narrowed into the slots;
+5. exact attention over the selected slots, the window and the new token. A slot whose token stayed keeps
+   the score of step 1 (the same query, the same key): only the rows that entered are scored again.
+
+What each step reads stays in the core's caches between steps; the torch path reads the slots' keys and
+the factors as float32 copies made first, and calls five kernels with tensor ops between them. The new
+token is then stored by ``LRQKLayer._commit_compiled``, as on the path this one replaces.
+
+``runs`` says where it applies (numba; a CPU layer in its default layout: float16 slots, window and
+factors, a float32 slow tier in host memory, factors per KV head, the ``set`` policy without prefetch);
+everywhere else the layer keeps its per-phase path. Oracle: ``tests/test_lrqk_fast.py`` (the reference
+path), the same tokens and data movement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvshrink.codecs import fused, lowrank_fused
+
+__all__ = ["decode_step", "warm_up"]
+
+if fused.available():
+    from numba import njit, prange
+
+    from kvshrink.codecs.fused import _HALF_POW2, _softmax_rows, _widen_rows, narrow_row
+    from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row
+    from kvshrink.methods.lrqk_tiers import plan_fill_row
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _score(q, key, scores, column):  # pragma: no cover - compiled
+        """``scores[g, column] = q[g]·key`` for every query row ``g``."""
+        for g in range(q.shape[0]):
+            acc = np.float32(0.0)
+            for j in range(q.shape[1]):
+                acc += q[g, j] * key[j]
+            scores[g, column] = acc
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _resident_fit_sums(q, factors, token, chosen, win_start, slot_scores, win_scores):  # pragma: no cover
+        """``AᵀA [r, r]`` and ``(q·Kᵀ)A [G, r]`` over Ω (the slots chosen last step, then the window), from the
+        scores already made and the factor rows ``factors [n, r]`` (float32): the sums
+        ``lowrank_fused._resident_sums`` makes."""
+        g_rows, n_slots, n_win, r = q.shape[0], token.shape[0], win_scores.shape[1] - 1, factors.shape[1]
+        a_t = np.empty((r, n_slots + n_win), np.float32)
+        scores = np.empty((g_rows, n_slots + n_win), np.float32)
+        m = 0
+        for c in range(n_slots + n_win):
+            if c < n_slots:
+                t = token[c]
+                if not chosen[c] or t < 0:
+                    continue
+            else:
+                t = win_start + c - n_slots
+            for i in range(r):
+                a_t[i, m] = factors[t, i]
+            for g in range(g_rows):
+                scores[g, m] = slot_scores[g, c] if c < n_slots else win_scores[g, c - n_slots]
+            m += 1
+        lhs = np.empty((r, r), np.float32)
+        rhs = np.empty((g_rows, r), np.float32)
+        for i in range(r):
+            for j in range(i, r):
+                acc = np.float32(0.0)
+                for c in range(m):
+                    acc += a_t[i, c] * a_t[j, c]
+                lhs[i, j] = acc
+                lhs[j, i] = acc
+        for g in range(g_rows):
+            for i in range(r):
+                acc = np.float32(0.0)
+                for c in range(m):
+                    acc += scores[g, c] * a_t[i, c]
+                rhs[g, i] = acc
+        return lhs, rhs
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _proxy_logits(q_hat, factors, n, logits):  # pragma: no cover - compiled
+        """``logits [G, n]`` = ``q̂`` (float64, taken as float32 as the torch path does) times the first ``n``
+        rows of ``factors [*, r]`` (float32)."""
+        r = q_hat.shape[1]
+        qf = q_hat.astype(np.float32)
+        for t in range(n):
+            for g in range(qf.shape[0]):
+                acc = np.float32(0.0)
+                for i in range(r):
+                    acc += qf[g, i] * factors[t, i]
+                logits[g, t] = acc
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k, win_v,
+                  slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, logits,
+                  mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
+        g_rows, d = q.shape[1], q.shape[2]
+        capacity, n_win, r = token.shape[1], win_k.shape[1], b_q.shape[1]
+        qh = q[h]
+        # 1. the scores of what is resident before the fill (the fit's Ω and most of this step's attention)
+        key_bits = np.empty((capacity, d), np.uint32)
+        _widen_rows(slot_k[h], capacity, False, pow2, key_bits)
+        keys = key_bits.view(np.float32)
+        slot_scores = np.empty((g_rows, capacity), np.float32)
+        for s in range(capacity):
+            if token[h, s] >= 0:
+                _score(qh, keys[s], slot_scores, s)
+        win_bits = np.empty((n_win, d), np.uint32)
+        _widen_rows(win_k[h], n_win, False, pow2, win_bits)
+        win_keys = win_bits.view(np.float32)
+        win_scores = np.empty((g_rows, n_win + 1), np.float32)
+        for w in range(n_win):
+            _score(qh, win_keys[w], win_scores, w)
+        _score(qh, k_new[h], win_scores, n_win)
+        # 2. the factor update (every token's factor rows widened once: the fit reads Ω's, the proxy the candidates')
+        factor_bits = np.empty((a_len, r), np.uint32)
+        _widen_rows(a_words[h], a_len, False, pow2, factor_bits)
+        factors = factor_bits.view(np.float32)
+        if fit_resident:
+            lhs, rhs = _resident_fit_sums(qh, factors, token[h], chosen[h], a_len - n_win, slot_scores, win_scores)
+        else:
+            lhs, rhs = np.zeros((r, r), np.float32), np.zeros((g_rows, r), np.float32)
+        _head_step(h, q, k_new, b_q, b_k, lhs, rhs, lam, iters, update_bases, q_hat, k_hat)
+        # 3. the selection
+        _proxy_logits(q_hat[h], factors, candidates, logits[h * g_rows: (h + 1) * g_rows])
+        _proxy_top_k_row(h, logits, scaling, first, g_rows, k, selected, top_mass, mass)
+        # 4. the fill: the missing rows narrowed from the slow tier's float32 words into their slots
+        span = slow.shape[0]
+        entered = np.empty(k, np.int64)
+        m = plan_fill_row(h, token, score, selected[h], chosen, np.full(span + 1, -1, np.int64),
+                          np.zeros(span + 1, np.bool_), np.empty(capacity, np.float64), entered)
+        top = 0
+        for i in range(m):
+            s = entered[i]
+            src = slow[token[h, s], h]
+            top = max(top, narrow_row(src[0], slot_k[h, s]), narrow_row(src[1], slot_v[h, s]))
+            _widen_rows(slot_k[h, s: s + 1], 1, False, pow2, key_bits[s: s + 1])
+            _score(qh, keys[s], slot_scores, s)
+        missed[h], largest[h] = m, top
+        # 5. attention over the chosen slots, the window and the new token (hidden: before `first`, left padding)
+        n_all = capacity + n_win + 1
+        probs = np.empty((g_rows, n_all), np.float32)
+        for s in range(capacity):
+            visible = chosen[h, s] and token[h, s] >= first[h]
+            for g in range(g_rows):
+                probs[g, s] = slot_scores[g, s] * scaling if visible else -np.inf
+        for w in range(n_win + 1):
+            visible = past - n_win + w >= first[h]
+            for g in range(g_rows):
+                probs[g, capacity + w] = win_scores[g, w] * scaling if visible else -np.inf
+        _softmax_rows(probs, np.empty(g_rows, np.float32))
+        value_bits = np.empty((capacity + n_win, d), np.uint32)
+        _widen_rows(slot_v[h], capacity, False, pow2, value_bits)
+        _widen_rows(win_v[h], n_win, False, pow2, value_bits[capacity:])
+        values = value_bits.view(np.float32)
+        total = np.zeros((g_rows, d), np.float32)
+        for t in range(capacity + n_win):
+            for g in range(g_rows):
+                p = probs[g, t]
+                for j in range(d):
+                    total[g, j] += p * values[t, j]
+        for g in range(g_rows):
+            p = probs[g, n_all - 1]
+            for j in range(d):
+                out[h, g, j] = total[g, j] + p * v_new[h, j]
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _decode_step(q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k, win_v,
+                     slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, logits,
+                     mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
+        for h in range(q.shape[0]):
+            _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
+                      win_v, slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
+                      logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
+
+    @njit(cache=True, fastmath=_FASTMATH, parallel=True)
+    def _decode_step_parallel(q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
+                              win_v, slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident,
+                              pow2, logits, mass, selected, top_mass, q_hat, k_hat, out, missed,
+                              largest):  # pragma: no cover - compiled
+        """``_decode_step`` with the KV rows shared among numba's threads (the same numbers)."""
+        for h in prange(q.shape[0]):
+            _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
+                      win_v, slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
+                      logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
+
+
+def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.ndarray, b_k: np.ndarray,
+                factor_words: np.ndarray, a_len: int, token: np.ndarray, score: np.ndarray, chosen: np.ndarray,
+                slot_words: tuple[np.ndarray, np.ndarray], window_words: tuple[np.ndarray, np.ndarray],
+                slow_words: np.ndarray, candidates: int, k: int, first: np.ndarray, past: int, scaling: float,
+                lam: float, update_bases: bool, fit_resident: bool, iters: int = 2):
+    """One layer's decode step (module docstring). Arrays, all CPU and updated in place where they are state:
+
+    ``query [R, G, d]``, ``key``/``value [R, d]`` float32 (the new token); bases ``b_q``/``b_k [R, r, d]`` float32
+    (the line-search step in place); ``factor_words [R, cap, r]`` (float16 words; rows ``a_len - W ..`` are the
+    window's); the slots' ``token``/``score``/``chosen [R, S]`` and ``slot_words`` (keys, values ``[R, S, d]``
+    float16 words); ``window_words`` (``[R, W, d]``); ``slow_words [T, R, 2, d]`` (the slow tier's float32 words);
+    ``first [R]``: the first real token of each row (left padding before it).
+
+    Returns ``(out [R, G, d] float32, q_hat [R, G, r], k_hat [R, r] float64, missed [R], largest [R])``: the
+    attention output, the factor vectors, the rows read from the slow tier and the largest float32 word
+    narrowed into the slots (beyond float16's range: the caller raises, as ``SlowTier.copy_rows_to``)."""
+    rows, g, d = query.shape
+    r = b_q.shape[1]
+    out = np.empty((rows, g, d), np.float32)
+    q_hat, k_hat = np.empty((rows, g, r)), np.empty((rows, r))
+    missed, largest = np.empty(rows, np.int64), np.empty(rows, np.int64)
+    logits = np.empty((rows * g, candidates), np.float32)
+    mass = np.empty((rows, candidates), np.float32)
+    selected, top_mass = np.empty((rows, k), np.int64), np.empty((rows, k), np.float32)
+    kernel = _decode_step_parallel if fused._use_threads() else _decode_step
+    kernel(query, key, value, b_q, b_k, factor_words, int(a_len), token, score, chosen, *slot_words, *window_words,
+           slow_words, int(candidates), int(k), first, int(past), np.float32(scaling), float(lam), int(iters),
+           bool(update_bases), bool(fit_resident), _HALF_POW2, logits, mass, selected, top_mass, q_hat, k_hat, out,
+           missed, largest)
+    return out, q_hat, k_hat, missed, largest
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) both variants now, on a tiny layer."""
+    if not fused.available():
+        return
+    half = np.zeros((1, 2, 2), np.uint16)
+    for _ in fused.each_kernel_variant():
+        decode_step(np.ones((1, 1, 2), np.float32), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
+                    np.eye(1, 2, dtype=np.float32)[None].copy(), np.eye(1, 2, dtype=np.float32)[None].copy(),
+                    np.zeros((1, 4, 1), np.uint16), 3, np.array([[0, -1]]), np.zeros((1, 2), np.float32),
+                    np.zeros((1, 2), np.bool_), (half.copy(), half.copy()), (half[:, :1].copy(), half[:, :1].copy()),
+                    np.zeros((3, 1, 2, 2), np.uint32), 2, 1, np.zeros(1, np.int64), 3, 1.0, 1.0, True, True)
