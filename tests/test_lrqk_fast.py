@@ -422,19 +422,25 @@ def test_a_decode_token_enters_the_float16_window_as_torch_stores_it(planted):
             torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("kernel", ["reference", "fast"])
-def test_a_decode_key_beyond_float16_is_refused_by_the_window(kernel):
+@pytest.mark.parametrize("kernel,factor_dtype", [("reference", "float32"), ("fast", "float32"),
+                                                 ("reference", "float16"), ("fast", "float16")])
+def test_a_decode_key_beyond_float16_is_refused_by_the_window(kernel, factor_dtype):
     """A float32 model whose decode keys leave float16's range (a layer's key projection scaled up after the
     prompt) with the float16 window of slot_dtype='auto' (float32 factors: the window alone narrows this step's
-    token): a clear error on both paths, not an inf in the window."""
+    token; float16 ones: the default layout, decoded in one compiled call): a clear error on every path, not an
+    inf in the window, and nothing of the token stored."""
     import copy
 
     model = copy.deepcopy(tiny_model("llama"))
     ids, mask = left_pad(prompts([40]))
-    cache = kvshrink.make_cache("lrqk", model, kernel=kernel, top_k=8, window=4, factor_dtype="float32")
+    cache = kvshrink.make_cache("lrqk", model, kernel=kernel, top_k=8, window=4, factor_dtype=factor_dtype)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        layer = list(one_row_layers(cache.layers))[1]
+        before = layer.slow.length, layer.a_len, layer.win_k.clone(), layer.a_k.clone()
         model.model.layers[1].self_attn.k_proj.weight.mul_(1e7)
         with pytest.raises(ValueError, match="beyond float16"):
             model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, mask[:, :1]], 1),
                   past_key_values=cache, use_cache=True)
+    assert (layer.slow.length, layer.a_len) == before[:2]
+    assert torch.equal(layer.win_k, before[2]) and torch.equal(layer.a_k, before[3])

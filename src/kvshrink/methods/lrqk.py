@@ -14,10 +14,12 @@ Per layer (see docs/design methods.md §2 and ``codecs/lowrank.py`` for the math
   current token.
 - **slow tier**: every token's full K/V (``cpu`` or ``disk``), never counted in ``nbytes()``.
 
-``kernel="fast"`` (the default) answers a decode step with fewer, larger operations (one attention call
-over slots, window and the new token; the per-token factor update and the slot bookkeeping in numba
-kernels when ``kvshrink[fast]`` is installed); ``kernel="reference"`` is the plain torch path, the
-oracle of ``tests/test_lrqk_fast.py``. Both give the same answers up to float rounding.
+``kernel="fast"`` (the default) answers a decode step with fewer, larger operations: on CPU with
+``kvshrink[fast]``, the default layout's whole step (factor update, selection, slot fill, attention) in one
+numba call per layer (``lrqk_fused``); elsewhere one attention call over slots, window and the new token,
+with the per-token factor update and the slot bookkeeping in numba kernels when numba is installed.
+``kernel="reference"`` is the plain torch path, the oracle of ``tests/test_lrqk_fast.py``. All give the
+same answers up to float rounding.
 
 On the GPU path (``kernels.backend.gpu_path``: CUDA tensors, or forced on CPU with Triton's interpreter)
 the fast decode step runs ``kernels/lrqk_proxy.py``'s Triton kernels (proxy scores to per-KV-head mass,
@@ -131,10 +133,10 @@ class LRQKOptions:
     seed: int = option(0, "seed of the random initialisation of the factorization")
     measure_recall: bool = option(False, "diagnostic: record the exact attention mass the top-k captures "
                                   "(reads every key from the slow tier each step; slow)")
-    kernel: str = option("fast", "decode path: fast (one attention call over slots, window and new token; the "
-                         "factor update and the slot bookkeeping in numba kernels when kvshrink[fast] is installed) "
-                         "or reference (plain torch ops, the tests' oracle); the same answers up to float rounding",
-                         choices=KERNELS)
+    kernel: str = option("fast", "decode path: fast (with kvshrink[fast] on CPU, the whole step of the default "
+                         "layout in one numba call per layer, else one attention call over slots, window and new token "
+                         "with the factor update and the slot bookkeeping in numba kernels) or reference (plain torch "
+                         "ops, the tests' oracle); the same answers up to float rounding", choices=KERNELS)
 
     def __post_init__(self):
         if self.slow_tier == "disk" and self.disk_folder is None:
@@ -224,7 +226,8 @@ class LRQKLayer(CacheLayer):
         """Without the prefetch thread or a background load in flight (they only save copies: a copy
         answers the same without them)."""
         self._drain_prefetch()
-        return {k: v for k, v in {**self.__dict__, "_pool": None, "_prefetched": None}.items() if k != "_views"}
+        return {k: v for k, v in {**self.__dict__, "_pool": None, "_prefetched": None}.items()
+                if k not in ("_views", "_compiled")}
 
     def close(self) -> None:
         """Release both tiers (deletes the disk tier's folder)."""
@@ -255,70 +258,84 @@ class LRQKLayer(CacheLayer):
         key, value = self._pending
         self._query = query
         candidates = ctx.past_len - min(self.window, ctx.past_len)
-        out = self._compiled_decode(query, key, value, ctx, candidates)
-        if out is not None:
-            pass
-        elif self._on_gpu_path(query):
+        out = self._compiled_decode(query, key, value, ctx, candidates)     # the token stored in the same call
+        if out is None:
             self._update_factor_vectors(query)
-            out = self._gpu_decode(query, key, value, ctx, candidates)
-        else:
-            self._update_factor_vectors(query)
-            if candidates > 0:
-                self._select_and_fill(query, ctx, candidates)
-            out = self._resident_attention(query, key, value, ctx, candidates)
-        self._pending = None
-        self.commit(key, value, ctx)
+            if self._on_gpu_path(query):
+                out = self._gpu_decode(query, key, value, ctx, candidates)
+            else:
+                if candidates > 0:
+                    self._select_and_fill(query, ctx, candidates)
+                out = self._resident_attention(query, key, value, ctx, candidates)
+            self._pending = None
+            self.commit(key, value, ctx)
         return out.to(query.dtype).transpose(1, 2).contiguous()
 
     # ---- the CPU path in one call ------------------------------------------------------------------
-    def _compiled_decode_runs(self, query: torch.Tensor, key: torch.Tensor, candidates: int) -> bool:
-        """Whether ``lrqk_fused`` answers this decode step: numba, a CPU float32 model, the layer in its default
-        layout (float16 slots, a full float16 window, float16 factors per KV head, a float32 slow tier in host
-        memory) and the paper's selection (the ``set`` policy, no prefetch, no diagnostics)."""
-        if not (self.fast and candidates > 0 and fused.available() and self.policy == "set" and not self.prefetch_on
-                and not self.exact_selection and not self.measure_recall and self.copies == 1):
-            return False
-        if not (query.dtype == key.dtype == torch.float32 and query.device.type == "cpu" and not gpu_path(query)
-                and self.window
-                and self.win_k is not None and self.win_k.shape[2] == self.window and self.slow.dtype == torch.float32):
-            return False
-        held = (self.slots.keys, self.slots.values, self.win_k, self.win_v, self.a_k)
-        return all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in held)
+    def _compiled_layout(self) -> tuple | None:
+        """What ``lrqk_fused`` reads and updates in place (numpy views of the layer's tensors, no copy), or None where
+        the layer is not in the layout it runs on: numba; float16 slots, a full float16 window and float16 factors
+        per KV head on the CPU; a float32 slow tier; the paper's selection (the ``set`` policy, no prefetch, no
+        diagnostics). Kept while those tensors stay the same objects (the compiled step changes them in place; a
+        grown buffer, a new basis or the per-phase path's new flags make it again)."""
+        s = self.slots
+        tensors = (s.keys, s.values, s.token, s.score, s.chosen, self.win_k, self.win_v, self.a_k, self.b_q, self.b_k)
+        held = self.__dict__.get("_compiled")
+        if held is None or any(a is not b for a, b in zip(held[0], tensors)):
+            layout = self._make_compiled_layout()
+            tensors = (s.keys, s.values, s.token, s.score, s.chosen, self.win_k, self.win_v, self.a_k, self.b_q,
+                       self.b_k)
+            held = self.__dict__["_compiled"] = (tensors, layout)
+        return held[1]
+
+    def _make_compiled_layout(self) -> tuple | None:
+        s = self.slots
+        if not (self.fast and fused.available() and self.policy == "set" and not self.prefetch_on
+                and not self.exact_selection and not self.measure_recall and self.copies == 1 and self.window
+                and self.win_k is not None and self.win_k.shape[2] == self.window and self.b_k is not None
+                and self.slow.dtype == torch.float32):
+            return None
+        if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous()
+                   for t in (s.keys, s.values, self.win_k, self.win_v, self.a_k)):
+            return None
+        self.b_q, self.b_k = (b if lowrank_fused._is_kernel_basis(b) else lowrank_fused._basis_copy(b)
+                              for b in (self.b_q, self.b_k))
+        return (self.b_q.numpy(), self.b_k.numpy(), half_words(self.a_k), s.token.numpy(), s.score.numpy(),
+                s.chosen.numpy(), (half_words(s.keys), half_words(s.values)),
+                (half_words(self.win_k), half_words(self.win_v)))
 
     def _compiled_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
                          candidates: int) -> torch.Tensor | None:
-        """The fast CPU decode step in one compiled call (``lrqk_fused``): factor update, selection, slot fill and
-        attention; ``[B, H_q, 1, d]``, or None (nothing done) where it does not run."""
-        if not self._compiled_decode_runs(query, key, candidates):
+        """The fast CPU decode step of a float32 model in one compiled call (``lrqk_fused``): factor update,
+        selection, slot fill, attention and the new token stored (``commit``'s work); ``[B, H_q, 1, d]``, or None
+        (nothing done) where it does not run (``_compiled_layout``)."""
+        if not (candidates > 0 and query.dtype == key.dtype == torch.float32 and query.device.type == "cpu"
+                and not gpu_path(query) and self.a_k is not None and self.a_len < self.a_k.shape[2]):
             return None
-        slow_words = self.slow.held_words()
+        layout = self._compiled_layout()
+        slow_words = self.slow.held_words(room=1) if layout is not None else None
         if slow_words is None:
             return None
+        b_q, b_k, factor_words, token, score, chosen, slot_words, window_words = layout
         b, hq, _, d = query.shape
         rows, r, k = self.slots.rows, self.rank, min(self.top_k, candidates)
-        views = self.__dict__.setdefault("_views", fused.NumpyViews())   # (absent from a layer saved before)
-        held = (("slot_k", self.slots.keys), ("slot_v", self.slots.values), ("win_k", self.win_k),
-                ("win_v", self.win_v), ("a_k", self.a_k))
-        words = {name: views.get(name, t, half_words) for name, t in held}
-        self.b_q, self.b_k = (b_ if lowrank_fused._is_kernel_basis(b_) else lowrank_fused._basis_copy(b_)
-                              for b_ in (self.b_q, self.b_k))
         first = ctx.pad_len.repeat_interleave(self.info.num_kv_heads).long().numpy() if ctx.pad_len is not None \
             else np.zeros(rows, np.int64)
-        slots = self.slots
         out, q_hat, k_hat, missed, largest = lrqk_fused.decode_step(
             fused._numpy(query.reshape(rows, -1, d)), fused._numpy(key).reshape(rows, d),
-            fused._numpy(value).reshape(rows, d), self.b_q.numpy(), self.b_k.numpy(), words["a_k"], self.a_len,
-            slots.token.numpy(), slots.score.numpy(), slots.chosen.numpy(), (words["slot_k"], words["slot_v"]),
-            (words["win_k"], words["win_v"]), slow_words, candidates, k, first, ctx.past_len, ctx.scaling, self.lam,
+            fused._numpy(value).reshape(rows, d), b_q, b_k, factor_words, self.a_len, token, score, chosen,
+            slot_words, window_words, slow_words, candidates, k, first, ctx.past_len, ctx.scaling, self.lam,
             self.update_bases, self.fit_resident)
-        slots.step += 1
+        self.slots.step += 1
         m = int(missed.sum())
         record_fill(self.counters, self.step_log, FillReport(selected=rows * k, missed=m,
                                                              bytes_moved=2 * m * d * slow_words.itemsize))
-        check_narrowed(int(largest.max()))
+        self._pending = self._query = self._k_hat = self._step_factors = None
+        check_narrowed(largest)       # (nothing stored of the token then)
+        self.a_len += 1
+        self.slow.rows_written(1)
+        self.gram_q = self.gram_k = None      # as _append_factors: prefill is over
         self._q_hat = torch.from_numpy(q_hat).reshape(b, rows // b, -1, r)
-        self._k_hat = torch.from_numpy(k_hat).reshape(b, rows // b, r)
-        self._step_factors = None
         return torch.from_numpy(out).reshape(b, hq, 1, d)
 
     # ---- the GPU path ----------------------------------------------------------------------------
@@ -742,15 +759,17 @@ class LRQKLayer(CacheLayer):
         deferred = gpu and ctx.q_len == 1 and self.b_k is not None and getattr(self, "_overflow", None) is not None
         if deferred:     # range checked with the next miss transfer
             self._defer_range_check(key, value)
-        self.slow.append(key, value, non_blocking=gpu)
+        refit = ctx.q_len > 1 or self.b_k is None
+        factors = None
+        if not refit:    # narrowed (and checked) first: a value beyond float16's range stores nothing of the token
+            factors = self._k_hat.to(self.factor_dtype) if deferred else to_storage(self._k_hat, self.factor_dtype)
         self._update_window(key, value, checked=deferred)
-        if ctx.q_len > 1 or self.b_k is None:
+        self.slow.append(key, value, non_blocking=gpu)
+        if refit:
             self._accumulate_grams(self._query, key, ctx)
             self._refit()
-        elif deferred:
-            self._append_factors(self._k_hat.to(self.factor_dtype).unsqueeze(2))
         else:
-            self._append_factors(to_storage(self._k_hat, self.factor_dtype).unsqueeze(2))
+            self._append_factors(factors.unsqueeze(2))
 
     def _defer_range_check(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The GPU path's decode step: whether the new token's key or value (for a float16 window) or its key

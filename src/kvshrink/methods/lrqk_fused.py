@@ -10,14 +10,16 @@ order of ``LRQKLayer``'s reference path:
 4. the slot fill (``lrqk_tiers.plan_fill_row``: the ``set`` policy's slots), the missing rows read from the
    slow tier and narrowed into the slots;
 5. exact attention over the selected slots, the window and the new token. A slot whose token stayed keeps
-   the score of step 1 (the same query, the same key): only the rows that entered are scored again.
+   the score of step 1 (the same query, the same key): only the rows that entered are scored again;
+6. once every row has attended, the new token stored: the windows shifted, its key factors written, its
+   K/V into the slow tier's next row (``LRQKLayer.commit``'s work on the path this one replaces).
 
-What each step reads stays in the core's caches between steps; the torch path reads the slots' keys and
-the factors as float32 copies made first, and calls five kernels with tensor ops between them. The new
-token is then stored by ``LRQKLayer._commit_compiled``, as on the path this one replaces.
+What each step reads stays in the core's caches between steps; the per-phase path reads the slots' keys and
+the factors as float32 copies made first, and calls six kernels with tensor ops between them.
 
-``runs`` says where it applies (numba; a CPU layer in its default layout: float16 slots, window and
-factors, a float32 slow tier in host memory, factors per KV head, the ``set`` policy without prefetch);
+``LRQKLayer._compiled_layout`` says where it applies (numba; a CPU layer in its default layout: float16 slots, window and
+factors with room for the new token's, a float32 slow tier in host memory, factors per KV head, the ``set``
+policy without prefetch);
 everywhere else the layer keeps its per-phase path. Oracle: ``tests/test_lrqk_fast.py`` (the reference
 path), the same tokens and data movement.
 """
@@ -36,7 +38,7 @@ if fused.available():
 
     from kvshrink.codecs.fused import _HALF_POW2, _softmax_rows, _widen_rows, narrow_row
     from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row
-    from kvshrink.methods.lrqk_tiers import plan_fill_row
+    from kvshrink.methods.lrqk_tiers import _F32_FP16_OVERFLOW_BITS, _F32_INF_BITS, _shift_in_narrowed, plan_fill_row
 
     @njit(fastmath=_FASTMATH, inline="always")
     def _score(q, key, scores, column):  # pragma: no cover - compiled
@@ -100,7 +102,7 @@ if fused.available():
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k, win_v,
-                  slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, logits,
+                  slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, logits,
                   mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
         g_rows, d = q.shape[1], q.shape[2]
         capacity, n_win, r = token.shape[1], win_k.shape[1], b_q.shape[1]
@@ -133,7 +135,6 @@ if fused.available():
         _proxy_logits(q_hat[h], factors, candidates, logits[h * g_rows: (h + 1) * g_rows])
         _proxy_top_k_row(h, logits, scaling, first, g_rows, k, selected, top_mass, mass)
         # 4. the fill: the missing rows narrowed from the slow tier's float32 words into their slots
-        span = slow.shape[0]
         entered = np.empty(k, np.int64)
         m = plan_fill_row(h, token, score, selected[h], chosen, np.full(span + 1, -1, np.int64),
                           np.zeros(span + 1, np.bool_), np.empty(capacity, np.float64), entered)
@@ -172,25 +173,44 @@ if fused.available():
             for j in range(d):
                 out[h, g, j] = total[g, j] + p * v_new[h, j]
 
+    @njit(cache=True)
+    def _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest):  # pragma: no cover
+        """The step's token stored once every row has attended (``LRQKLayer.commit``'s work): unless a slot row
+        overflowed (``largest``), the windows shifted and the key factors written (``_shift_in_narrowed``: nothing
+        on overflow), then its float32 words into the slow tier's row ``span``. Returns the largest word narrowed
+        (0: nothing tried)."""
+        if _F32_FP16_OVERFLOW_BITS <= largest.max() <= _F32_INF_BITS:
+            return 0
+        top = _shift_in_narrowed(k_new, v_new, win_k, win_v, k_hat, a_words, a_len)
+        if _F32_FP16_OVERFLOW_BITS <= top <= _F32_INF_BITS:
+            return top
+        key_words, value_words = k_new.view(np.uint32), v_new.view(np.uint32)
+        for h in range(k_new.shape[0]):
+            slow[span, h, 0] = key_words[h]
+            slow[span, h, 1] = value_words[h]
+        return top
+
     @njit(cache=True, fastmath=_FASTMATH)
     def _decode_step(q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k, win_v,
-                     slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, logits,
+                     slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, logits,
                      mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
         for h in range(q.shape[0]):
             _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
-                      win_v, slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
+                      win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
                       logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
+        return _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest)
 
     @njit(cache=True, fastmath=_FASTMATH, parallel=True)
     def _decode_step_parallel(q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
-                              win_v, slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident,
+                              win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident,
                               pow2, logits, mass, selected, top_mass, q_hat, k_hat, out, missed,
                               largest):  # pragma: no cover - compiled
         """``_decode_step`` with the KV rows shared among numba's threads (the same numbers)."""
         for h in prange(q.shape[0]):
             _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
-                      win_v, slow, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
+                      win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
                       logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
+        return _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest)
 
 
 def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.ndarray, b_k: np.ndarray,
@@ -198,17 +218,20 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
                 slot_words: tuple[np.ndarray, np.ndarray], window_words: tuple[np.ndarray, np.ndarray],
                 slow_words: np.ndarray, candidates: int, k: int, first: np.ndarray, past: int, scaling: float,
                 lam: float, update_bases: bool, fit_resident: bool, iters: int = 2):
-    """One layer's decode step (module docstring). Arrays, all CPU and updated in place where they are state:
+    """One layer's decode step (module docstring), the new token stored last. Arrays, all CPU and updated in place
+    where they are state:
 
     ``query [R, G, d]``, ``key``/``value [R, d]`` float32 (the new token); bases ``b_q``/``b_k [R, r, d]`` float32
     (the line-search step in place); ``factor_words [R, cap, r]`` (float16 words; rows ``a_len - W ..`` are the
-    window's); the slots' ``token``/``score``/``chosen [R, S]`` and ``slot_words`` (keys, values ``[R, S, d]``
-    float16 words); ``window_words`` (``[R, W, d]``); ``slow_words [T, R, 2, d]`` (the slow tier's float32 words);
-    ``first [R]``: the first real token of each row (left padding before it).
+    window's, row ``a_len`` takes the new token's); the slots' ``token``/``score``/``chosen [R, S]`` and
+    ``slot_words`` (keys, values ``[R, S, d]`` float16 words); ``window_words`` (``[R, W, d]``); ``slow_words
+    [T + 1, R, 2, d]`` (the slow tier's float32 words: its ``T`` tokens and room for the new one); ``first [R]``: the
+    first real token of each row (left padding before it).
 
-    Returns ``(out [R, G, d] float32, q_hat [R, G, r], k_hat [R, r] float64, missed [R], largest [R])``: the
-    attention output, the factor vectors, the rows read from the slow tier and the largest float32 word
-    narrowed into the slots (beyond float16's range: the caller raises, as ``SlowTier.copy_rows_to``)."""
+    Returns ``(out [R, G, d] float32, q_hat [R, G, r], k_hat [R, r] float64, missed [R], largest)``: the attention
+    output, the factor vectors, the rows read from the slow tier per row and the largest float32 word narrowed to
+    float16 (fill, then the new token). Beyond float16's range (the caller raises, as the per-phase path does):
+    the token is not stored when a filled row or the token itself overflowed."""
     rows, g, d = query.shape
     r = b_q.shape[1]
     out = np.empty((rows, g, d), np.float32)
@@ -218,11 +241,11 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
     mass = np.empty((rows, candidates), np.float32)
     selected, top_mass = np.empty((rows, k), np.int64), np.empty((rows, k), np.float32)
     kernel = _decode_step_parallel if fused._use_threads() else _decode_step
-    kernel(query, key, value, b_q, b_k, factor_words, int(a_len), token, score, chosen, *slot_words, *window_words,
-           slow_words, int(candidates), int(k), first, int(past), np.float32(scaling), float(lam), int(iters),
-           bool(update_bases), bool(fit_resident), _HALF_POW2, logits, mass, selected, top_mass, q_hat, k_hat, out,
-           missed, largest)
-    return out, q_hat, k_hat, missed, largest
+    stored = kernel(query, key, value, b_q, b_k, factor_words, int(a_len), token, score, chosen, *slot_words,
+                    *window_words, slow_words, slow_words.shape[0] - 1, int(candidates), int(k), first, int(past),
+                    np.float32(scaling), float(lam), int(iters), bool(update_bases), bool(fit_resident), _HALF_POW2,
+                    logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
+    return out, q_hat, k_hat, missed, max(int(largest.max()), int(stored))
 
 
 def warm_up() -> None:
@@ -235,4 +258,4 @@ def warm_up() -> None:
                     np.eye(1, 2, dtype=np.float32)[None].copy(), np.eye(1, 2, dtype=np.float32)[None].copy(),
                     np.zeros((1, 4, 1), np.uint16), 3, np.array([[0, -1]]), np.zeros((1, 2), np.float32),
                     np.zeros((1, 2), np.bool_), (half.copy(), half.copy()), (half[:, :1].copy(), half[:, :1].copy()),
-                    np.zeros((3, 1, 2, 2), np.uint32), 2, 1, np.zeros(1, np.int64), 3, 1.0, 1.0, True, True)
+                    np.zeros((4, 1, 2, 2), np.uint32), 2, 1, np.zeros(1, np.int64), 3, 1.0, 1.0, True, True)

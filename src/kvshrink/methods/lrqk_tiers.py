@@ -164,16 +164,22 @@ class SlowTier:
             check_narrowed(largest)
         return True
 
-    def held_words(self) -> np.ndarray | None:
-        """The held rows ``[length, rows, 2, d]`` as numpy unsigned words (no copy), for a compiled reader on the
-        calling thread; None where that reader cannot take them (rows on a device, a subclass that checks the
-        rows it hands out, such as the disk tier)."""
+    def held_words(self, room: int = 0) -> np.ndarray | None:
+        """The held rows and ``room`` more, ``[length + room, rows, 2, d]``, as numpy unsigned words (no copy) for a
+        compiled reader (and writer of the extra rows, which ``rows_written`` then counts) on the calling thread;
+        None where it cannot take them (rows on a device, a subclass that checks the rows it hands out or writes,
+        such as the disk tier)."""
         if not (self.length and self.data.device.type == "cpu" and self.data.element_size() in _SAME_SIZE_UINT
-                and type(self)._check_rows is SlowTier._check_rows):
+                and type(self)._check_rows is SlowTier._check_rows and type(self)._after_write is SlowTier._after_write):
             return None
         with self._lock:
             self._settle()
-            return self._data_words()[: self.length]
+            self._reserve(self.length + room)
+            return self._data_words()[: self.length + room]
+
+    def rows_written(self, n: int) -> None:
+        """A compiled writer filled the ``n`` rows after the held ones (``held_words``' room): they are held now."""
+        self.length += n
 
     def gather_to(self, flat: torch.Tensor, device: torch.device,
                   given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
