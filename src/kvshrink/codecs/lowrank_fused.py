@@ -192,11 +192,16 @@ if fused.available():
         ``scores [G, :]``."""
         for i in range(a.shape[0]):
             a_t[i, column] = a[i]
+        score_into(q, key, scores, column)
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def score_into(q, key, scores, column):  # pragma: no cover - compiled
+        """``scores[g, column] = q[g]·key`` for every query row ``g`` (float32)."""
         for g in range(q.shape[0]):
-            s = np.float32(0.0)
-            for t in range(q.shape[1]):
-                s += q[g, t] * key[t]
-            scores[g, column] = s
+            acc = np.float32(0.0)
+            for j in range(q.shape[1]):
+                acc += q[g, j] * key[j]
+            scores[g, column] = acc
 
     @njit(fastmath=_FASTMATH, inline="always")
     def _resident_sums(q, factors, slot_token, slot_chosen, slot_keys, win_keys, win_start, h):  # pragma: no cover
@@ -206,8 +211,6 @@ if fused.available():
         are dot products along tokens (vectorised), float32 as the torch path's products."""
         g_rows, r = q.shape[0], factors.shape[1]
         n_slots, n_win = slot_token.shape[1], win_keys.shape[1]
-        lhs = np.empty((r, r), np.float32)
-        rhs = np.empty((g_rows, r), np.float32)
         a_t = np.empty((r, n_slots + n_win), np.float32)
         scores = np.empty((g_rows, n_slots + n_win), np.float32)
         m = 0
@@ -219,6 +222,16 @@ if fused.available():
         for w in range(n_win):
             _take_resident(q, factors[win_start + w], win_keys[h, w], m, a_t, scores)
             m += 1
+        return resident_gram_sums(a_t, scores, m)
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def resident_gram_sums(a_t, scores, m):  # pragma: no cover - compiled
+        """``AᵀA [r, r]`` and ``(q·Kᵀ)A [G, r]`` over the first ``m`` resident tokens, laid along tokens (factor rows
+        ``a_t [r, n]``, scores ``scores [G, n]``): dot products along tokens (vectorised), float32 as the torch
+        path's products."""
+        r, g_rows = a_t.shape[0], scores.shape[0]
+        lhs = np.empty((r, r), np.float32)
+        rhs = np.empty((g_rows, r), np.float32)
         for i in range(r):
             for j in range(i, r):
                 acc = np.float32(0.0)

@@ -37,17 +37,8 @@ if fused.available():
     from numba import njit, prange
 
     from kvshrink.codecs.fused import _HALF_POW2, _softmax_rows, _widen_rows, narrow_row
-    from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row
+    from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row, resident_gram_sums, score_into
     from kvshrink.methods.lrqk_tiers import _F32_FP16_OVERFLOW_BITS, _F32_INF_BITS, _shift_in_narrowed, plan_fill_row
-
-    @njit(fastmath=_FASTMATH, inline="always")
-    def _score(q, key, scores, column):  # pragma: no cover - compiled
-        """``scores[g, column] = q[g]·key`` for every query row ``g``."""
-        for g in range(q.shape[0]):
-            acc = np.float32(0.0)
-            for j in range(q.shape[1]):
-                acc += q[g, j] * key[j]
-            scores[g, column] = acc
 
     @njit(fastmath=_FASTMATH, inline="always")
     def _resident_fit_sums(q, factors, token, chosen, win_start, slot_scores, win_scores):  # pragma: no cover
@@ -70,22 +61,7 @@ if fused.available():
             for g in range(g_rows):
                 scores[g, m] = slot_scores[g, c] if c < n_slots else win_scores[g, c - n_slots]
             m += 1
-        lhs = np.empty((r, r), np.float32)
-        rhs = np.empty((g_rows, r), np.float32)
-        for i in range(r):
-            for j in range(i, r):
-                acc = np.float32(0.0)
-                for c in range(m):
-                    acc += a_t[i, c] * a_t[j, c]
-                lhs[i, j] = acc
-                lhs[j, i] = acc
-        for g in range(g_rows):
-            for i in range(r):
-                acc = np.float32(0.0)
-                for c in range(m):
-                    acc += scores[g, c] * a_t[i, c]
-                rhs[g, i] = acc
-        return lhs, rhs
+        return resident_gram_sums(a_t, scores, m)
 
     @njit(fastmath=_FASTMATH, inline="always")
     def _proxy_logits(q_hat, factors, n, logits):  # pragma: no cover - compiled
@@ -114,14 +90,14 @@ if fused.available():
         slot_scores = np.empty((g_rows, capacity), np.float32)
         for s in range(capacity):
             if token[h, s] >= 0:
-                _score(qh, keys[s], slot_scores, s)
+                score_into(qh, keys[s], slot_scores, s)
         win_bits = np.empty((n_win, d), np.uint32)
         _widen_rows(win_k[h], n_win, False, pow2, win_bits)
         win_keys = win_bits.view(np.float32)
         win_scores = np.empty((g_rows, n_win + 1), np.float32)
         for w in range(n_win):
-            _score(qh, win_keys[w], win_scores, w)
-        _score(qh, k_new[h], win_scores, n_win)
+            score_into(qh, win_keys[w], win_scores, w)
+        score_into(qh, k_new[h], win_scores, n_win)
         # 2. the factor update (every token's factor rows widened once: the fit reads Ω's, the proxy the candidates')
         factor_bits = np.empty((a_len, r), np.uint32)
         _widen_rows(a_words[h], a_len, False, pow2, factor_bits)
@@ -144,7 +120,7 @@ if fused.available():
             src = slow[token[h, s], h]
             top = max(top, narrow_row(src[0], slot_k[h, s]), narrow_row(src[1], slot_v[h, s]))
             _widen_rows(slot_k[h, s: s + 1], 1, False, pow2, key_bits[s: s + 1])
-            _score(qh, keys[s], slot_scores, s)
+            score_into(qh, keys[s], slot_scores, s)
         missed[h], largest[h] = m, top
         # 5. attention over the chosen slots, the window and the new token (hidden: before `first`, left padding)
         n_all = capacity + n_win + 1
