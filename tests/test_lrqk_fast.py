@@ -444,3 +444,38 @@ def test_a_decode_key_beyond_float16_is_refused_by_the_window(kernel, factor_dty
                   past_key_values=cache, use_cache=True)
     assert (layer.slow.length, layer.a_len) == before[:2]
     assert torch.equal(layer.win_k, before[2]) and torch.equal(layer.a_k, before[3])
+
+
+@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.parametrize("beyond", ["token", "fill"])
+def test_compiled_step_reports_an_overflow_a_nan_would_hide(beyond):
+    """`lrqk_fused.decode_step` with one KV row filled from NaN rows (let through, as `to_storage` lets them) and a
+    value beyond float16's range in the other row's filled rows or in the new token: the overflow is reported (its
+    NaN word, larger, does not hide it) and nothing of the token is stored."""
+    import numpy as np
+
+    from kvshrink.methods import lrqk_fused
+
+    rows, d, cap, window = 2, 2, 2, 1
+    slow = np.ones((4, rows, 2, d), np.float32)            # 3 tokens and room for the new one
+    slow[:3, 0, 0] = np.nan                                 # row 0: NaN keys in every token it can fill
+    key, value = np.ones((rows, d), np.float32), np.ones((rows, d), np.float32)
+    if beyond == "token":
+        key[1, 0] = 7e4
+    else:
+        slow[:2, 1, 1, 0] = 7e4                             # row 1: a value beyond float16 in its candidates
+    slow_words = slow.view(np.uint32)
+    one = np.float16(1.0).view(np.uint16)
+    factors = np.full((rows, 4, 1), one, np.uint16)
+    windows = (np.full((rows, window, d), one, np.uint16), np.full((rows, window, d), one, np.uint16))
+    before = factors.copy(), windows[0].copy(), slow_words[3].copy()
+    bases = np.eye(1, d, dtype=np.float32)[None].repeat(rows, 0)
+    *_, missed, word = lrqk_fused.decode_step(
+        np.ones((rows, 1, d), np.float32), key, value, bases.copy(), bases.copy(), factors, 3,
+        np.full((rows, cap), -1, np.int64), np.zeros((rows, cap), np.float32), np.zeros((rows, cap), np.bool_),
+        (np.zeros((rows, cap, d), np.uint16), np.zeros((rows, cap, d), np.uint16)), windows, slow_words, 2, 2,
+        np.zeros(rows, np.int64), 3, 1.0, 1.0, True, True)
+    assert missed.tolist() == [2, 2]
+    assert np.float32(7e4).view(np.uint32) == word
+    assert np.array_equal(factors, before[0]) and np.array_equal(windows[0], before[1])
+    assert np.array_equal(slow_words[3], before[2])

@@ -278,15 +278,15 @@ class LRQKLayer(CacheLayer):
         per KV head on the CPU; a float32 slow tier; the paper's selection (the ``set`` policy, no prefetch, no
         diagnostics). Kept while those tensors stay the same objects (the compiled step changes them in place; a
         grown buffer, a new basis or the per-phase path's new flags make it again)."""
-        s = self.slots
-        tensors = (s.keys, s.values, s.token, s.score, s.chosen, self.win_k, self.win_v, self.a_k, self.b_q, self.b_k)
         held = self.__dict__.get("_compiled")
-        if held is None or any(a is not b for a, b in zip(held[0], tensors)):
-            layout = self._make_compiled_layout()
-            tensors = (s.keys, s.values, s.token, s.score, s.chosen, self.win_k, self.win_v, self.a_k, self.b_q,
-                       self.b_k)
-            held = self.__dict__["_compiled"] = (tensors, layout)
+        if held is None or any(a is not b for a, b in zip(held[0], self._layout_tensors())):
+            layout = self._make_compiled_layout()          # (may replace the bases by kernel copies first)
+            held = self.__dict__["_compiled"] = (self._layout_tensors(), layout)
         return held[1]
+
+    def _layout_tensors(self) -> tuple:
+        s = self.slots
+        return s.keys, s.values, s.token, s.score, s.chosen, self.win_k, self.win_v, self.a_k, self.b_q, self.b_k
 
     def _make_compiled_layout(self) -> tuple | None:
         s = self.slots
@@ -321,7 +321,7 @@ class LRQKLayer(CacheLayer):
         rows, r, k = self.slots.rows, self.rank, min(self.top_k, candidates)
         first = ctx.pad_len.repeat_interleave(self.info.num_kv_heads).long().numpy() if ctx.pad_len is not None \
             else np.zeros(rows, np.int64)
-        out, q_hat, k_hat, missed, largest = lrqk_fused.decode_step(
+        out, q_hat, k_hat, missed, beyond = lrqk_fused.decode_step(
             fused._numpy(query.reshape(rows, -1, d)), fused._numpy(key).reshape(rows, d),
             fused._numpy(value).reshape(rows, d), b_q, b_k, factor_words, self.a_len, token, score, chosen,
             slot_words, window_words, slow_words, candidates, k, first, ctx.past_len, ctx.scaling, self.lam,
@@ -331,7 +331,7 @@ class LRQKLayer(CacheLayer):
         record_fill(self.counters, self.step_log, FillReport(selected=rows * k, missed=m,
                                                              bytes_moved=2 * m * d * slow_words.itemsize))
         self._pending = self._query = self._k_hat = self._step_factors = None
-        check_narrowed(largest)       # (nothing stored of the token then)
+        check_narrowed(beyond)       # (nothing stored of the token then)
         self.a_len += 1
         self.slow.rows_written(1)
         self.gram_q = self.gram_k = None      # as _append_factors: prefill is over

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvshrink.codecs import fused, lowrank_fused
+from kvshrink.methods.lrqk_tiers import _F32_FP16_OVERFLOW_BITS, _F32_INF_BITS
 
 __all__ = ["decode_step", "warm_up"]
 
@@ -38,7 +39,7 @@ if fused.available():
 
     from kvshrink.codecs.fused import _HALF_POW2, _softmax_rows, _widen_rows, narrow_row
     from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row, resident_gram_sums, score_into
-    from kvshrink.methods.lrqk_tiers import _F32_FP16_OVERFLOW_BITS, _F32_INF_BITS, _shift_in_narrowed, plan_fill_row
+    from kvshrink.methods.lrqk_tiers import _shift_in_narrowed, plan_fill_row
 
     @njit(fastmath=_FASTMATH, inline="always")
     def _resident_fit_sums(q, factors, token, chosen, win_start, slot_scores, win_scores):  # pragma: no cover
@@ -155,8 +156,9 @@ if fused.available():
         overflowed (``largest``), the windows shifted and the key factors written (``_shift_in_narrowed``: nothing
         on overflow), then its float32 words into the slow tier's row ``span``. Returns the largest word narrowed
         (0: nothing tried)."""
-        if _F32_FP16_OVERFLOW_BITS <= largest.max() <= _F32_INF_BITS:
-            return 0
+        for h in range(largest.shape[0]):     # row by row: a NaN's word, larger, must not hide an overflow
+            if _F32_FP16_OVERFLOW_BITS <= largest[h] <= _F32_INF_BITS:
+                return 0
         top = _shift_in_narrowed(k_new, v_new, win_k, win_v, k_hat, a_words, a_len)
         if _F32_FP16_OVERFLOW_BITS <= top <= _F32_INF_BITS:
             return top
@@ -204,10 +206,10 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
     [T + 1, R, 2, d]`` (the slow tier's float32 words: its ``T`` tokens and room for the new one); ``first [R]``: the
     first real token of each row (left padding before it).
 
-    Returns ``(out [R, G, d] float32, q_hat [R, G, r], k_hat [R, r] float64, missed [R], largest)``: the attention
-    output, the factor vectors, the rows read from the slow tier per row and the largest float32 word narrowed to
-    float16 (fill, then the new token). Beyond float16's range (the caller raises, as the per-phase path does):
-    the token is not stored when a filled row or the token itself overflowed."""
+    Returns ``(out [R, G, d] float32, q_hat [R, G, r], k_hat [R, r] float64, missed [R], beyond)``: the attention
+    output, the factor vectors, the rows read from the slow tier per row, and the first float32 word narrowed to
+    float16 beyond its range (a filled row's, else the new token's; 0 for none: the caller raises with it, as the
+    per-phase path does). The token is not stored when a filled row or the token itself overflowed."""
     rows, g, d = query.shape
     r = b_q.shape[1]
     out = np.empty((rows, g, d), np.float32)
@@ -221,7 +223,9 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
                     *window_words, slow_words, slow_words.shape[0] - 1, int(candidates), int(k), first, int(past),
                     np.float32(scaling), float(lam), int(iters), bool(update_bases), bool(fit_resident), _HALF_POW2,
                     logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
-    return out, q_hat, k_hat, missed, max(int(largest.max()), int(stored))
+    narrowed = [*largest.tolist(), int(stored)]
+    beyond = [w for w in narrowed if _F32_FP16_OVERFLOW_BITS <= w <= _F32_INF_BITS]
+    return out, q_hat, k_hat, missed, beyond[0] if beyond else 0
 
 
 def warm_up() -> None:
