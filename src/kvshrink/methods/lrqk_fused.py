@@ -101,7 +101,7 @@ if fused.available():
         score_into(qh, k_new[h], win_scores, n_win)
         # 2. the factor update (every token's factor rows widened once: the fit reads Ω's, the proxy the candidates')
         factor_bits = np.empty((a_len, r), np.uint32)
-        _widen_rows(a_words[h], a_len, False, pow2, factor_bits)
+        _widen_rows(a_words[h, :a_len].reshape((1, a_len * r)), 1, False, pow2, factor_bits.reshape((1, a_len * r)))
         factors = factor_bits.view(np.float32)
         if fit_resident:
             lhs, rhs = _resident_fit_sums(qh, factors, token[h], chosen[h], a_len - n_win, slot_scores, win_scores)
