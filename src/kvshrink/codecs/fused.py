@@ -84,7 +84,10 @@ def _native_half() -> bool:
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return True
-    return machine in ("x86_64", "amd64") and bool(binding.get_host_cpu_features().get("f16c"))
+    try:             # (LLVM cannot read the host's features on every platform: then the bit formula)
+        return machine in ("x86_64", "amd64") and bool(binding.get_host_cpu_features().get("f16c"))
+    except RuntimeError:
+        return False
 
 
 NATIVE_HALF = _native_half()
