@@ -315,11 +315,11 @@ def test_every_float16_word_decodes_as_torch_converts_it(way):
     """Both ways the kernels read float16 words (the CPU's conversion instruction, ``fused.NATIVE_HALF``, and the bit
     formula kept for CPUs without one) == torch's float16 to float32 conversion for all 65,536 words (zeros,
     subnormals, normals, infinities, NaNs): one at a time (`_half_float_*`: the stream's norms) and as rows
-    (`_widen_rows_*`: the ring, LRQK's slots, window and factors; rows of 64 and of 16 words)."""
+    (`_widen_half_rows_*`: the ring, LRQK's slots, window and factors; rows of 64 and of 16 words)."""
     if way == "native" and not fused.NATIVE_HALF:
         pytest.skip("this CPU has no float16 conversion instruction")
-    one, rows = (fused._half_float_native, fused._widen_rows_native) if way == "native" else \
-        (fused._half_float_bits, fused._widen_rows_bits)
+    one, rows = (fused._half_float_native, fused._widen_half_rows_native) if way == "native" else \
+        (fused._half_float_bits, fused._widen_half_rows_bits)
     words = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
     want = words.view(torch.float16).float().numpy()
     uint16 = words.numpy().view(np.uint16)
@@ -327,7 +327,7 @@ def test_every_float16_word_decodes_as_torch_converts_it(way):
     np.testing.assert_array_equal(got, want)
     for d in (64, 16):
         bits = np.zeros(((1 << 16) // d, d), np.uint32)
-        rows(uint16.reshape(-1, d), bits.shape[0] - 1, False, fused._HALF_POW2, bits)
+        rows(uint16.reshape(-1, d), bits.shape[0] - 1, fused._HALF_POW2, bits)
         np.testing.assert_array_equal(bits[:-1].view(np.float32), want.reshape(-1, d)[:-1])
         assert not bits[-1].any()                                   # only the first n rows
 

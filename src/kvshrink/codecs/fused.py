@@ -337,16 +337,12 @@ if numba is not None:
         return _half_value(bits, pow2)
 
     @njit(inline="always")
-    def _widen_rows_bits(words, n, bf16, pow2, bits):  # pragma: no cover - compiled
-        # `_widen_rows` where the CPU has no float16 conversion instruction: the normal-range formula (exponent
+    def _widen_half_rows_bits(words, n, pow2, bits):  # pragma: no cover - compiled
+        # `_widen_half_rows` where the CPU has no float16 conversion instruction: the normal-range formula (exponent
         # rebiased, mantissa shifted) with each row's smallest and largest exponent tracked alongside, then word by
         # word (`_half_float_bits`) if the row has a zero, a subnormal, an infinity or a NaN. Over 2-D blocks: the
         # same loops over a row's 1-D views, one call per row, do not vectorise (~10x slower, measured)
         for t in range(n):
-            if bf16:
-                for j in range(words.shape[1]):
-                    bits[t, j] = np.uint32(words[t, j]) << 16
-                continue
             low, high = 0x7C00, 0
             for j in range(words.shape[1]):
                 w = np.int64(words[t, j])
@@ -379,21 +375,28 @@ if numba is not None:
         return _half_to_float(np.uint16(bits))
 
     @njit(inline="always")
-    def _widen_rows_native(words, n, bf16, pow2, bits):  # pragma: no cover - compiled
-        # `_widen_rows` in the CPU's float16 conversion instruction (~4 us per 512 x 64 words against ~18 for
-        # `_widen_rows_bits`)
+    def _widen_half_rows_native(words, n, pow2, bits):  # pragma: no cover - compiled
+        # `_widen_half_rows` in the CPU's float16 conversion instruction (~4 us per 512 x 64 words against ~18 for
+        # `_widen_half_rows_bits`)
         for t in range(n):
-            if bf16:
+            for j in range(words.shape[1]):
+                bits[t, j] = _half_to_float_word(words[t, j])
+
+    # the first n rows of float16 words [S, d] -> the float32 bits of their values in bits [n, d]; one float16 word
+    # (uint16) -> its float32 value
+    _widen_half_rows = _widen_half_rows_native if NATIVE_HALF else _widen_half_rows_bits
+    _half_float = _half_float_native if NATIVE_HALF else _half_float_bits
+
+    @njit(inline="always")
+    def _widen_rows(words, n, bf16, pow2, bits):  # pragma: no cover - compiled
+        # the first n rows of 16-bit words [S, d] (float16, or bfloat16 with bf16) -> the float32 bits of their
+        # values in bits [n, d]
+        if bf16:
+            for t in range(n):
                 for j in range(words.shape[1]):
                     bits[t, j] = np.uint32(words[t, j]) << 16
-            else:
-                for j in range(words.shape[1]):
-                    bits[t, j] = _half_to_float_word(words[t, j])
-
-    # the first n rows of 16-bit words [S, d] (float16, or bfloat16 with bf16) -> the float32 bits of their values
-    # in bits [n, d]; one float16 word (uint16) -> its float32 value
-    _widen_rows = _widen_rows_native if NATIVE_HALF else _widen_rows_bits
-    _half_float = _half_float_native if NATIVE_HALF else _half_float_bits
+        else:
+            _widen_half_rows(words, n, pow2, bits)
 
     @njit(inline="always")
     def _rounded(x, split):  # pragma: no cover - compiled (no fastmath: the split must not be reassociated)
