@@ -56,14 +56,20 @@ def test_fast_decode_equals_reference(models, family, options):
 
 
 @pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("compiled", ["compiled", "small-tiles", "per-phase"])
 @pytest.mark.parametrize("lengths", [[90, 70, 81], [40]], ids=["padded-batch", "one-row"])
 def test_default_layout_decodes_in_one_compiled_call_per_layer(models, monkeypatch, compiled, lengths):
     """The default layout on a float32 model decodes each layer in one `lrqk_fused` call (every decode step
     once the prompt has candidates), or with it switched off through the per-phase kernels: the reference's
-    tokens, logits, data movement and state either way."""
+    tokens, logits, data movement and state either way. ``small-tiles``: the call widens its float16 rows 40 words
+    at a time (slots, window and values in tiles of 2 rows of 16, factors in tiles of fewer rows than there are),
+    so every tiled loop runs several tiles and a partial last one."""
     from kvshrink.methods import lrqk_fused
     from kvshrink.methods.lrqk import LRQKLayer
+
+    if compiled == "small-tiles":
+        monkeypatch.setattr(lrqk_fused, "TILE_WORDS", 40)
+    compiled = compiled != "per-phase"
 
     calls = []
     step = lrqk_fused.decode_step

@@ -34,6 +34,10 @@ from kvshrink.methods.lrqk_tiers import _F32_FP16_OVERFLOW_BITS, _F32_INF_BITS
 
 __all__ = ["decode_step", "warm_up"]
 
+# float16 words widened to float32 at a time: a 16 KB tile that stays in L1 while it is read (whole float32 copies
+# of a row's slots, window and factors, ~450 KB at 2K, cost ~1.2 ms per 2K decode step in a model, measured)
+TILE_WORDS = 4096
+
 if fused.available():
     from numba import njit, prange
 
@@ -41,14 +45,52 @@ if fused.available():
     from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row, resident_gram_sums, score_into
     from kvshrink.methods.lrqk_tiers import _shift_in_narrowed, plan_fill_row
 
+    @njit(inline="always")
+    def _tile_rows(width, tile_words):  # pragma: no cover - compiled
+        return max(1, tile_words // width)
+
     @njit(fastmath=_FASTMATH, inline="always")
-    def _resident_fit_sums(q, factors, token, chosen, win_start, slot_scores, win_scores):  # pragma: no cover
+    def _score_rows(q, words, n, live, pow2, tile_words, scores, column):  # pragma: no cover - compiled
+        """``scores[g, column + s] = q[g]·key_s`` for the first ``n`` rows of float16 words ``words [*, d]`` where
+        ``live[s]`` (others untouched), widened ``tile_words`` at a time (a tile that stays in L1 while it is read)."""
+        d = words.shape[1]
+        step = _tile_rows(d, tile_words)
+        tile = np.empty((step, d), np.uint32)
+        keys = tile.view(np.float32)
+        for s0 in range(0, n, step):
+            m = min(step, n - s0)
+            _widen_rows(words[s0: s0 + m], m, False, pow2, tile)
+            for i in range(m):
+                if live[s0 + i]:
+                    score_into(q, keys[i], scores, column + s0 + i)
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _add_values(probs, column, words, n, pow2, tile_words, total):  # pragma: no cover - compiled
+        """``total [G, d] += probs[:, column + t] · value_t`` over the first ``n`` rows of float16 words ``words
+        [*, d]``, widened a tile at a time."""
+        g_rows, d = total.shape
+        step = _tile_rows(d, tile_words)
+        tile = np.empty((step, d), np.uint32)
+        values = tile.view(np.float32)
+        for t0 in range(0, n, step):
+            m = min(step, n - t0)
+            _widen_rows(words[t0: t0 + m], m, False, pow2, tile)
+            for i in range(m):
+                for g in range(g_rows):
+                    p = probs[g, column + t0 + i]
+                    for j in range(d):
+                        total[g, j] += p * values[i, j]
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _resident_fit_sums(q, a_words, token, chosen, win_start, slot_scores, win_scores, pow2):  # pragma: no cover
         """``AᵀA [r, r]`` and ``(q·Kᵀ)A [G, r]`` over Ω (the slots chosen last step, then the window), from the
-        scores already made and the factor rows ``factors [n, r]`` (float32): the sums
+        scores already made and the factor rows' float16 words ``a_words [n, r]``: the sums
         ``lowrank_fused._resident_sums`` makes."""
-        g_rows, n_slots, n_win, r = q.shape[0], token.shape[0], win_scores.shape[1] - 1, factors.shape[1]
+        g_rows, n_slots, n_win, r = q.shape[0], token.shape[0], win_scores.shape[1] - 1, a_words.shape[1]
         a_t = np.empty((r, n_slots + n_win), np.float32)
         scores = np.empty((g_rows, n_slots + n_win), np.float32)
+        row = np.empty((1, r), np.uint32)
+        factor = row[0].view(np.float32)
         m = 0
         for c in range(n_slots + n_win):
             if c < n_slots:
@@ -57,71 +99,69 @@ if fused.available():
                     continue
             else:
                 t = win_start + c - n_slots
+            _widen_rows(a_words[t: t + 1], 1, False, pow2, row)
             for i in range(r):
-                a_t[i, m] = factors[t, i]
+                a_t[i, m] = factor[i]
             for g in range(g_rows):
                 scores[g, m] = slot_scores[g, c] if c < n_slots else win_scores[g, c - n_slots]
             m += 1
         return resident_gram_sums(a_t, scores, m)
 
     @njit(fastmath=_FASTMATH, inline="always")
-    def _proxy_logits(q_hat, factors, n, logits):  # pragma: no cover - compiled
+    def _proxy_logits(q_hat, a_words, n, pow2, tile_words, logits):  # pragma: no cover - compiled
         """``logits [G, n]`` = ``q̂`` (float64, taken as float32 as the torch path does) times the first ``n``
-        rows of ``factors [*, r]`` (float32)."""
+        factor rows, read from their float16 words ``a_words [*, r]`` a tile at a time (widened as one flat run:
+        rows of 16 words are too short to vectorise alone)."""
         r = q_hat.shape[1]
         qf = q_hat.astype(np.float32)
-        for t in range(n):
-            for g in range(qf.shape[0]):
-                acc = np.float32(0.0)
-                for i in range(r):
-                    acc += qf[g, i] * factors[t, i]
-                logits[g, t] = acc
+        step = _tile_rows(r, tile_words)
+        tile = np.empty((1, step * r), np.uint32)
+        factors = tile.view(np.float32).reshape((step, r))
+        for t0 in range(0, n, step):
+            m = min(step, n - t0)
+            _widen_rows(a_words[t0: t0 + m].reshape((1, m * r)), 1, False, pow2, tile)
+            for i in range(m):
+                for g in range(qf.shape[0]):
+                    acc = np.float32(0.0)
+                    for c in range(r):
+                        acc += qf[g, c] * factors[i, c]
+                    logits[g, t0 + i] = acc
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k, win_v,
-                  slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, logits,
-                  mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
+                  slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, tile_words,
+                  logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
         g_rows, d = q.shape[1], q.shape[2]
-        capacity, n_win, r = token.shape[1], win_k.shape[1], b_q.shape[1]
+        capacity, n_win = token.shape[1], win_k.shape[1]
         qh = q[h]
         # 1. the scores of what is resident before the fill (the fit's Ω and most of this step's attention)
-        key_bits = np.empty((capacity, d), np.uint32)
-        _widen_rows(slot_k[h], capacity, False, pow2, key_bits)
-        keys = key_bits.view(np.float32)
         slot_scores = np.empty((g_rows, capacity), np.float32)
-        for s in range(capacity):
-            if token[h, s] >= 0:
-                score_into(qh, keys[s], slot_scores, s)
-        win_bits = np.empty((n_win, d), np.uint32)
-        _widen_rows(win_k[h], n_win, False, pow2, win_bits)
-        win_keys = win_bits.view(np.float32)
+        _score_rows(qh, slot_k[h], capacity, token[h] >= 0, pow2, tile_words, slot_scores, 0)
         win_scores = np.empty((g_rows, n_win + 1), np.float32)
-        for w in range(n_win):
-            score_into(qh, win_keys[w], win_scores, w)
+        _score_rows(qh, win_k[h], n_win, np.ones(n_win, np.bool_), pow2, tile_words, win_scores, 0)
         score_into(qh, k_new[h], win_scores, n_win)
-        # 2. the factor update (every token's factor rows widened once: the fit reads Ω's, the proxy the candidates')
-        factor_bits = np.empty((a_len, r), np.uint32)
-        _widen_rows(a_words[h, :a_len].reshape((1, a_len * r)), 1, False, pow2, factor_bits.reshape((1, a_len * r)))
-        factors = factor_bits.view(np.float32)
+        # 2. the factor update
         if fit_resident:
-            lhs, rhs = _resident_fit_sums(qh, factors, token[h], chosen[h], a_len - n_win, slot_scores, win_scores)
+            lhs, rhs = _resident_fit_sums(qh, a_words[h], token[h], chosen[h], a_len - n_win, slot_scores,
+                                          win_scores, pow2)
         else:
-            lhs, rhs = np.zeros((r, r), np.float32), np.zeros((g_rows, r), np.float32)
+            lhs, rhs = np.zeros((b_q.shape[1], b_q.shape[1]), np.float32), np.zeros((g_rows, b_q.shape[1]), np.float32)
         _head_step(h, q, k_new, b_q, b_k, lhs, rhs, lam, iters, update_bases, q_hat, k_hat)
         # 3. the selection
-        _proxy_logits(q_hat[h], factors, candidates, logits[h * g_rows: (h + 1) * g_rows])
+        _proxy_logits(q_hat[h], a_words[h], candidates, pow2, tile_words, logits[h * g_rows: (h + 1) * g_rows])
         _proxy_top_k_row(h, logits, scaling, first, g_rows, k, selected, top_mass, mass)
         # 4. the fill: the missing rows narrowed from the slow tier's float32 words into their slots
         entered = np.empty(k, np.int64)
         m = plan_fill_row(h, token, score, selected[h], chosen, np.full(span + 1, -1, np.int64),
                           np.zeros(span + 1, np.bool_), np.empty(capacity, np.float64), entered)
         top = 0
+        row = np.empty((1, d), np.uint32)
         for i in range(m):
             s = entered[i]
             src = slow[token[h, s], h]
             top = max(top, narrow_row(src[0], slot_k[h, s]), narrow_row(src[1], slot_v[h, s]))
-            _widen_rows(slot_k[h, s: s + 1], 1, False, pow2, key_bits[s: s + 1])
-            score_into(qh, keys[s], slot_scores, s)
+            _widen_rows(slot_k[h, s: s + 1], 1, False, pow2, row)
+            score_into(qh, row[0].view(np.float32), slot_scores, s)
         missed[h], largest[h] = m, top
         # 5. attention over the chosen slots, the window and the new token (hidden: before `first`, left padding)
         n_all = capacity + n_win + 1
@@ -135,16 +175,9 @@ if fused.available():
             for g in range(g_rows):
                 probs[g, capacity + w] = win_scores[g, w] * scaling if visible else -np.inf
         _softmax_rows(probs, np.empty(g_rows, np.float32))
-        value_bits = np.empty((capacity + n_win, d), np.uint32)
-        _widen_rows(slot_v[h], capacity, False, pow2, value_bits)
-        _widen_rows(win_v[h], n_win, False, pow2, value_bits[capacity:])
-        values = value_bits.view(np.float32)
         total = np.zeros((g_rows, d), np.float32)
-        for t in range(capacity + n_win):
-            for g in range(g_rows):
-                p = probs[g, t]
-                for j in range(d):
-                    total[g, j] += p * values[t, j]
+        _add_values(probs, 0, slot_v[h], capacity, pow2, tile_words, total)
+        _add_values(probs, capacity, win_v[h], n_win, pow2, tile_words, total)
         for g in range(g_rows):
             p = probs[g, n_all - 1]
             for j in range(d):
@@ -170,24 +203,24 @@ if fused.available():
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _decode_step(q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k, win_v,
-                     slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2, logits,
-                     mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
+                     slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
+                     tile_words, logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
         for h in range(q.shape[0]):
             _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
                       win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
-                      logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
+                      tile_words, logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
         return _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest)
 
     @njit(cache=True, fastmath=_FASTMATH, parallel=True)
     def _decode_step_parallel(q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
                               win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident,
-                              pow2, logits, mass, selected, top_mass, q_hat, k_hat, out, missed,
+                              pow2, tile_words, logits, mass, selected, top_mass, q_hat, k_hat, out, missed,
                               largest):  # pragma: no cover - compiled
         """``_decode_step`` with the KV rows shared among numba's threads (the same numbers)."""
         for h in prange(q.shape[0]):
             _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
                       win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
-                      logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
+                      tile_words, logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
         return _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest)
 
 
@@ -222,7 +255,7 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
     stored = kernel(query, key, value, b_q, b_k, factor_words, int(a_len), token, score, chosen, *slot_words,
                     *window_words, slow_words, slow_words.shape[0] - 1, int(candidates), int(k), first, int(past),
                     np.float32(scaling), float(lam), int(iters), bool(update_bases), bool(fit_resident), _HALF_POW2,
-                    logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
+                    int(TILE_WORDS), logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
     narrowed = [*largest.tolist(), int(stored)]
     beyond = [w for w in narrowed if _F32_FP16_OVERFLOW_BITS <= w <= _F32_INF_BITS]
     return out, q_hat, k_hat, missed, beyond[0] if beyond else 0
