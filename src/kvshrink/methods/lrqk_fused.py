@@ -41,7 +41,7 @@ TILE_WORDS = 4096
 if fused.available():
     from numba import njit, prange
 
-    from kvshrink.codecs.fused import _HALF_POW2, _softmax_rows, _widen_rows, narrow_row
+    from kvshrink.codecs.fused import _HALF_POW2, _softmax_rows, _widen_rows, narrow_row, prefetch_row
     from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row, resident_gram_sums, score_into
     from kvshrink.methods.lrqk_tiers import _shift_in_narrowed, plan_fill_row
 
@@ -154,6 +154,8 @@ if fused.available():
         entered = np.empty(k, np.int64)
         m = plan_fill_row(h, token, score, selected[h], chosen, np.full(span + 1, -1, np.int64),
                           np.zeros(span + 1, np.bool_), np.empty(capacity, np.float64), entered)
+        for i in range(m):          # the rows' reads overlap instead of waiting on each other
+            prefetch_row(slow, token[h, entered[i]], h)
         top = 0
         row = np.empty((1, d), np.uint32)
         for i in range(m):
