@@ -227,7 +227,7 @@ class LRQKLayer(CacheLayer):
         answers the same without them)."""
         self._drain_prefetch()
         return {k: v for k, v in {**self.__dict__, "_pool": None, "_prefetched": None}.items()
-                if k not in ("_views", "_compiled")}
+                if k not in ("_views", "_compiled", "_zeros")}
 
     def close(self) -> None:
         """Release both tiers (deletes the disk tier's folder)."""
@@ -320,14 +320,14 @@ class LRQKLayer(CacheLayer):
         b, hq, _, d = query.shape
         rows, r, k = self.slots.rows, self.rank, min(self.top_k, candidates)
         first = ctx.pad_len.repeat_interleave(self.info.num_kv_heads).long().numpy() if ctx.pad_len is not None \
-            else np.zeros(rows, np.int64)
+            else self._no_padding(rows)
         out, q_hat, k_hat, missed, beyond = lrqk_fused.decode_step(
             fused._numpy(query.reshape(rows, -1, d)), fused._numpy(key).reshape(rows, d),
             fused._numpy(value).reshape(rows, d), b_q, b_k, factor_words, self.a_len, token, score, chosen,
             slot_words, window_words, slow_words, candidates, k, first, ctx.past_len, ctx.scaling, self.lam,
             self.update_bases, self.fit_resident)
         self.slots.step += 1
-        m = int(missed.sum())
+        m = int(missed)
         record_fill(self.counters, self.step_log, FillReport(selected=rows * k, missed=m,
                                                              bytes_moved=2 * m * d * slow_words.itemsize))
         self._pending = self._query = self._k_hat = self._step_factors = None
@@ -337,6 +337,13 @@ class LRQKLayer(CacheLayer):
         self.gram_q = self.gram_k = None      # as _append_factors: prefill is over
         self._q_hat = torch.from_numpy(q_hat).reshape(b, rows // b, -1, r)
         return torch.from_numpy(out).reshape(b, hq, 1, d)
+
+    def _no_padding(self, rows: int) -> np.ndarray:
+        """``first`` of a batch without left padding (zeros, made once: read-only to the compiled step)."""
+        zeros = self.__dict__.get("_zeros")
+        if zeros is None or zeros.shape[0] != rows:
+            zeros = self.__dict__["_zeros"] = np.zeros(rows, np.int64)
+        return zeros
 
     # ---- the GPU path ----------------------------------------------------------------------------
     def _on_gpu_path(self, query: torch.Tensor) -> bool:

@@ -134,6 +134,10 @@ if fused.available():
         g_rows, d = q.shape[1], q.shape[2]
         capacity, n_win = token.shape[1], win_k.shape[1]
         qh = q[h]
+        if fit_resident:       # the fit's factor rows, scattered, arrive while the scores are made
+            for s in range(capacity):
+                if chosen[h, s] and token[h, s] >= 0:
+                    prefetch_row(a_words, h, token[h, s])
         # 1. the scores of what is resident before the fill (the fit's Ω and most of this step's attention)
         slot_scores = np.empty((g_rows, capacity), np.float32)
         _score_rows(qh, slot_k[h], capacity, token[h] >= 0, pow2, tile_words, slot_scores, 0)
@@ -203,27 +207,46 @@ if fused.available():
             slow[span, h, 1] = value_words[h]
         return top
 
+    @njit(inline="always")
+    def _step_scratch(rows, g_rows, candidates, k):  # pragma: no cover - compiled
+        """The step's per-row working arrays (allocated here: a dozen Python-side allocations cost more)."""
+        return (np.empty((rows * g_rows, candidates), np.float32), np.empty((rows, candidates), np.float32),
+                np.empty((rows, k), np.int64), np.empty((rows, k), np.float32), np.empty(rows, np.int64),
+                np.empty(rows, np.int64))
+
+    @njit(inline="always")
+    def _step_result(missed, largest, stored):  # pragma: no cover - compiled
+        """``(rows read from the slow tier, the first word narrowed beyond float16's range: a filled row's, else the
+        new token's; 0 for none)``."""
+        for h in range(largest.shape[0]):
+            if _F32_FP16_OVERFLOW_BITS <= largest[h] <= _F32_INF_BITS:
+                return missed.sum(), largest[h]
+        return missed.sum(), stored if _F32_FP16_OVERFLOW_BITS <= stored <= _F32_INF_BITS else 0
+
     @njit(cache=True, fastmath=_FASTMATH)
     def _decode_step(q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k, win_v,
                      slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
-                     tile_words, logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest):  # pragma: no cover - compiled
+                     tile_words, q_hat, k_hat, out):  # pragma: no cover - compiled
+        logits, mass, selected, top_mass, missed, largest = _step_scratch(q.shape[0], q.shape[1], candidates, k)
         for h in range(q.shape[0]):
             _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
                       win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
                       tile_words, logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
-        return _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest)
+        stored = _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest)
+        return _step_result(missed, largest, stored)
 
     @njit(cache=True, fastmath=_FASTMATH, parallel=True)
     def _decode_step_parallel(q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
                               win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident,
-                              pow2, tile_words, logits, mass, selected, top_mass, q_hat, k_hat, out, missed,
-                              largest):  # pragma: no cover - compiled
+                              pow2, tile_words, q_hat, k_hat, out):  # pragma: no cover - compiled
         """``_decode_step`` with the KV rows shared among numba's threads (the same numbers)."""
+        logits, mass, selected, top_mass, missed, largest = _step_scratch(q.shape[0], q.shape[1], candidates, k)
         for h in prange(q.shape[0]):
             _row_step(h, q, k_new, v_new, b_q, b_k, a_words, a_len, token, score, chosen, slot_k, slot_v, win_k,
                       win_v, slow, span, candidates, k, first, past, scaling, lam, iters, update_bases, fit_resident, pow2,
                       tile_words, logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
-        return _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest)
+        stored = _store_token(k_new, v_new, a_words, a_len, win_k, win_v, slow, span, k_hat, largest)
+        return _step_result(missed, largest, stored)
 
 
 def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.ndarray, b_k: np.ndarray,
@@ -241,26 +264,20 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
     [T + 1, R, 2, d]`` (the slow tier's float32 words: its ``T`` tokens and room for the new one); ``first [R]``: the
     first real token of each row (left padding before it).
 
-    Returns ``(out [R, G, d] float32, q_hat [R, G, r], k_hat [R, r] float64, missed [R], beyond)``: the attention
-    output, the factor vectors, the rows read from the slow tier per row, and the first float32 word narrowed to
+    Returns ``(out [R, G, d] float32, q_hat [R, G, r], k_hat [R, r] float64, missed, beyond)``: the attention
+    output, the factor vectors, the rows read from the slow tier (all rows), and the first float32 word narrowed to
     float16 beyond its range (a filled row's, else the new token's; 0 for none: the caller raises with it, as the
     per-phase path does). The token is not stored when a filled row or the token itself overflowed."""
     rows, g, d = query.shape
     r = b_q.shape[1]
     out = np.empty((rows, g, d), np.float32)
     q_hat, k_hat = np.empty((rows, g, r)), np.empty((rows, r))
-    missed, largest = np.empty(rows, np.int64), np.empty(rows, np.int64)
-    logits = np.empty((rows * g, candidates), np.float32)
-    mass = np.empty((rows, candidates), np.float32)
-    selected, top_mass = np.empty((rows, k), np.int64), np.empty((rows, k), np.float32)
     kernel = _decode_step_parallel if fused._use_threads() else _decode_step
-    stored = kernel(query, key, value, b_q, b_k, factor_words, int(a_len), token, score, chosen, *slot_words,
+    missed, beyond = kernel(query, key, value, b_q, b_k, factor_words, int(a_len), token, score, chosen, *slot_words,
                     *window_words, slow_words, slow_words.shape[0] - 1, int(candidates), int(k), first, int(past),
                     np.float32(scaling), float(lam), int(iters), bool(update_bases), bool(fit_resident), _HALF_POW2,
-                    int(TILE_WORDS), logits, mass, selected, top_mass, q_hat, k_hat, out, missed, largest)
-    narrowed = [*largest.tolist(), int(stored)]
-    beyond = [w for w in narrowed if _F32_FP16_OVERFLOW_BITS <= w <= _F32_INF_BITS]
-    return out, q_hat, k_hat, missed, beyond[0] if beyond else 0
+                    int(TILE_WORDS), q_hat, k_hat, out)
+    return out, q_hat, k_hat, missed, beyond
 
 
 def warm_up() -> None:
