@@ -5,7 +5,7 @@ switched step by step on one cache, with `full` decoded alongside. Usage:
     PYTHONPATH=src .venv/bin/python scripts/lrqk_fused_ab.py LENGTH STEPS /tmp/lrqk_fused_old.py
 (docs/results.md, "Session 29"). Prints the median of LRQK's `attend` summed over the layers, per version, and the
 step medians; both versions must keep `decode_step`'s signature."""
-import collections, importlib, importlib.util, sys, time
+import collections, importlib, importlib.util, pathlib, sys, tempfile, time
 import numpy as np, torch
 from kvshrink.eval.backend import KVShrinkBackend
 from kvshrink.eval.engine import _step, prefill
@@ -13,7 +13,10 @@ from kvshrink.eval.tasks import TokenCorpus
 
 L = importlib.import_module("kvshrink.methods.lrqk")
 NEW = importlib.import_module("kvshrink.methods.lrqk_fused")
-spec = importlib.util.spec_from_file_location("lrqk_fused_old", sys.argv[3])
+# compiled afresh (numba's cache of a module loaded from a path cannot be read back: it names no importable module)
+other = pathlib.Path(tempfile.mkdtemp()) / "lrqk_fused_old.py"
+other.write_text(pathlib.Path(sys.argv[3]).read_text().replace("cache=True", "cache=False"))
+spec = importlib.util.spec_from_file_location("lrqk_fused_old", other)
 OLD = importlib.util.module_from_spec(spec); spec.loader.exec_module(OLD); OLD.warm_up()
 torch.set_num_threads(2)
 clock = time.perf_counter

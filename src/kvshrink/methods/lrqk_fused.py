@@ -49,18 +49,26 @@ if fused.available():
     def _tile_rows(width, tile_words):  # pragma: no cover - compiled
         return max(1, tile_words // width)
 
+    @njit(inline="always")
+    def _new_tile(width, tile_words):  # pragma: no cover - compiled
+        """A tile of ``tile_words`` float32 words (whole rows of ``width``): its row count, its bits, its values."""
+        tile = np.empty((_tile_rows(width, tile_words), width), np.uint32)
+        return tile.shape[0], tile, tile.view(np.float32)
+
+    @njit(inline="always")
+    def _widen_tile(words, t0, n, pow2, tile):  # pragma: no cover - compiled
+        """Rows ``t0 ..`` of float16 words ``words`` (up to ``n`` and the tile's size) widened into ``tile``; how many."""
+        m = min(tile.shape[0], n - t0)
+        _widen_rows(words[t0: t0 + m], m, False, pow2, tile)
+        return m
+
     @njit(fastmath=_FASTMATH, inline="always")
     def _score_rows(q, words, n, live, pow2, tile_words, scores, column):  # pragma: no cover - compiled
         """``scores[g, column + s] = q[g]·key_s`` for the first ``n`` rows of float16 words ``words [*, d]`` where
         ``live[s]`` (others untouched), widened ``tile_words`` at a time (a tile that stays in L1 while it is read)."""
-        d = words.shape[1]
-        step = _tile_rows(d, tile_words)
-        tile = np.empty((step, d), np.uint32)
-        keys = tile.view(np.float32)
+        step, tile, keys = _new_tile(words.shape[1], tile_words)
         for s0 in range(0, n, step):
-            m = min(step, n - s0)
-            _widen_rows(words[s0: s0 + m], m, False, pow2, tile)
-            for i in range(m):
+            for i in range(_widen_tile(words, s0, n, pow2, tile)):
                 if live[s0 + i]:
                     score_into(q, keys[i], scores, column + s0 + i)
 
@@ -69,13 +77,9 @@ if fused.available():
         """``total [G, d] += probs[:, column + t] · value_t`` over the first ``n`` rows of float16 words ``words
         [*, d]``, widened a tile at a time."""
         g_rows, d = total.shape
-        step = _tile_rows(d, tile_words)
-        tile = np.empty((step, d), np.uint32)
-        values = tile.view(np.float32)
+        step, tile, values = _new_tile(d, tile_words)
         for t0 in range(0, n, step):
-            m = min(step, n - t0)
-            _widen_rows(words[t0: t0 + m], m, False, pow2, tile)
-            for i in range(m):
+            for i in range(_widen_tile(words, t0, n, pow2, tile)):
                 for g in range(g_rows):
                     p = probs[g, column + t0 + i]
                     for j in range(d):
