@@ -46,7 +46,7 @@ shard_ring.ExactRing.partial = timed("exact partial (sinks, window, salient)", s
 shard_ring.ExactRing.put = timed("ring.put", shard_ring.ExactRing.put)
 for name in ("salient_partials", "merge_partials"):
     setattr(shard_layer, name, timed(name, getattr(shard_layer, name)))
-for name in ("_code_bins", "_values_into", "_turbo_into", "_int8_into", "_exact_into"):
+for name in ("_block_attention", "_turbo_into", "_int8_into", "_exact_into"):
     setattr(fused, name, timed(f"fused.{name}", getattr(fused, name)))
 fused.StepParts.merged = timed("fused.StepParts.merged", fused.StepParts.merged)
 

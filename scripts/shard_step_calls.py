@@ -26,7 +26,7 @@ for n in ("attend", "fast_ring_attend", "code_partials", "fused_middle_into", "k
     if hasattr(L, n): wrap(L, n, "layer." + n)
 wrap(SS.SharedState if hasattr(SS, "SharedState") else [v for v in vars(SS).values() if isinstance(v, type) and hasattr(v, "channel_rope")][0], "channel_rope", "shared.channel_rope")
 for n in ("_decode_scopes_parallel", "_decode_scopes", "_block_scores_parallel", "_block_scores", "_softmax_rows",
-          "_value_bins_parallel", "_value_bins", "scratch"):
+          "_block_values_parallel", "_block_values", "scratch"):
     wrap(fused, n, "fused." + n)
 bmm = torch.bmm
 def timed_bmm(*a, **k):                      # `fused` reaches torch.bmm through its module name: a stand-in module
@@ -35,7 +35,7 @@ def timed_bmm(*a, **k):                      # `fused` reaches torch.bmm through
     return r
 fused.torch = type(torch)("torch_with_timed_bmm")
 fused.torch.__dict__.update({k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")}, bmm=timed_bmm)
-for n in ("set_bit_positions", "scaled_bases", "_code_bins", "_values_into", "_row_quads", "_turbo_into", "_int8_into", "_exact_into", "group_queries"):
+for n in ("set_bit_positions", "scaled_bases", "_block_attention", "_row_quads", "_turbo_into", "_int8_into", "_exact_into", "group_queries"):
     if hasattr(fused, n): wrap(fused, n, "fused." + n)
 for n in ("code", "merged", "ring", "turbo", "int8", "__init__"):
     wrap(fused.StepParts, n, "StepParts." + n)

@@ -177,8 +177,8 @@ def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):
 
 
 def test_the_value_pass_equals_the_torch_ops():
-    """The fast path's value pass (`fused._values_into`: codewords weighted by the bins, scaled, rotated back, in one
-    pass) == the layer's torch ops (`values_from_bins`), for 2-, 4- and 8-bit value codes."""
+    """The fast path's value pass (`fused._head_values`: codewords weighted by a head's bins, scaled, rotated back, in
+    one pass) == the layer's torch ops (`values_from_bins`), for 2-, 4- and 8-bit value codes."""
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=2, window=4)
     prefill(model, cache, torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0)))
@@ -193,7 +193,15 @@ def test_the_value_pass_equals_the_torch_ops():
         probe = type(block)(**{**block.__dict__, "v_codebook": codebook})
         want = layer.values_from_bins(probe, bins)
         got = np.empty(want.shape, np.float32)
-        fused._values_into(bins.numpy(), codebook, block.v_scale, layer.shared.rotation.matrix(bins.device), got)
+        codebook_t = codebook.float().T.contiguous().numpy()
+        rotation = layer.shared.rotation.matrix(bins.device).float().numpy()
+        for b in range(bins.shape[0]):
+            for h in range(layer.h_kv):
+                rows_last = np.zeros((bins.shape[-1], 4), np.float32)   # as the kernel holds them: rows last, 4
+                rows_last[:, :3] = bins[b, h].T.numpy()
+                fused._head_values(rows_last, 3, codebook_t, block.v_scale[h].float().numpy(), rotation,
+                                   np.empty((3, bins.shape[-1]), np.float32), np.empty(layer.d, np.float32),
+                                   got[b, h])
         torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
 
 

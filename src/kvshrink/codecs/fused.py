@@ -7,13 +7,15 @@ or values, a slice of tokens at a time:
    8-bit run, from a table of the levels each byte value packs; four 6-bit codes per three bytes);
 2. the slice's pre-RoPE keys as one batched product of the scaled bases with those coefficients
    (torch's BLAS: the multiply-adds run at the machine's vector width, which hand-written loops
-   over lookup tables did not reach, ``docs/results.md``), channel-major, kept only for the slice;
+   over lookup tables did not reach, nor numba loops over L1-sized tiles of decoded coefficients, 2-2.5x
+   slower than the BLAS product measured in session 30, ``docs/results.md``), channel-major, kept only for
+   the slice;
 3. per tile of tokens: RoPE and the scores of four query rows at a time, one RoPE pair after another,
    each a loop over the tile's tokens (contiguous: it vectorises across tokens);
-4. per KV head: the softmax of all the block's scores (held rows masked; one pass a row, exp as a
-   polynomial the loop vectorises), and its probabilities summed per value codeword and channel group
-   (the value VQ codes), which the value pass (`StepParts.code`) turns into the attention output (one small
-   product by the codebook, scales, rotation).
+4. in one call: the softmax of all the block's scores (held rows masked; one pass a row, exp as a
+   polynomial the loop vectorises), then per KV head its probabilities summed per value codeword and channel
+   group (the value VQ codes) and, for a decode step (`StepParts.code`), turned into the attention output
+   (one small product by the codebook, scales, rotation).
 
 `turbo_attention` does the same for TurboQuant-coded tokens (Shard's decode stream) in one pass.
 
@@ -542,6 +544,12 @@ if numba is not None:
                 k += 1
         return k
 
+    @njit(cache=True, parallel=True)
+    def _start_threads(x):  # pragma: no cover - compiled
+        # the smallest parallel loop: calling it starts numba's threading layer (`threading_layer_usable`)
+        for i in numba.prange(x.shape[0]):
+            x[i] = i
+
     @njit(cache=True, fastmath=_FASTMATH)
     def _hide(scores, hidden):  # pragma: no cover - compiled
         # scores [B, H, R, n]: the rows hidden [B, H, m] (held apart from the codes) scored -inf
@@ -583,50 +591,67 @@ if numba is not None:
                 flat[k + np.uint64(2)] += c
                 flat[k + np.uint64(3)] += d
 
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _head_values(bins, n_rows, codebook_t, scale, rotation, rows_first, rotated, out):  # pragma: no cover
+        # one head's bins [groups * K, 4 * ceil(R / 4)] (rows last, `_bin_rows`) -> out [R, d]: (sum_k bins *
+        # codebook[k]) * scale, then @ rotation.T (codebook_t [group, K]: every sum a contiguous dot product, over
+        # the bins copied one row after another into rows_first [R, groups * K]: strided sums took 10x as long)
+        group, k_entries = codebook_t.shape
+        d = out.shape[1]
+        for e in range(bins.shape[0]):
+            for r in range(n_rows):
+                rows_first[r, e] = bins[e, r]
+        for r in range(n_rows):
+            row = rows_first[r]
+            for j in range(d):
+                g, i = j // group, j % group
+                part = row[g * k_entries:(g + 1) * k_entries]
+                code = codebook_t[i]
+                acc = np.float32(0.0)
+                for k in range(k_entries):
+                    acc += part[k] * code[k]
+                rotated[j] = acc * scale[j]
+            for e in range(d):
+                back = rotation[e]
+                acc = np.float32(0.0)
+                for j in range(d):
+                    acc += rotated[j] * back[j]
+                out[r, e] = acc
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _head_job(job, probs, v_codes, v_bits, n_groups, codebook_t, v_scale, rotation, bins, out):  # pragma: no cover
+        # one (batch row, head)'s probabilities [R, n] summed per value group and codeword (`_bin_rows`), into bins
+        # [B, H, groups * K, 4 * ceil(R / 4)] when kept (else a local array), then its values into out [B, H, R, d]
+        # when asked (out with rows)
+        heads, n_rows = probs.shape[1], probs.shape[2]
+        b, h = job // heads, job % heads
+        kept = bins.shape[0] > 0
+        held = bins[b, h] if kept else np.empty((n_groups << v_bits, (n_rows + 3) // 4 * 4), np.float32)
+        held[...] = 0.0
+        for r0 in range(0, n_rows, 4):
+            _bin_rows(probs[b, h], r0, v_codes[b, h], v_bits, n_groups, held)
+        if out.shape[0] > 0:
+            _head_values(held, n_rows, codebook_t, v_scale[h], rotation,
+                         np.empty((n_rows, held.shape[0]), np.float32), np.empty(out.shape[3], np.float32), out[b, h])
+
     @njit(cache=True, fastmath=_FASTMATH)
-    def _value_bins(probs, v_codes, v_bits, n_groups, bins):  # pragma: no cover - compiled
-        # probs [B, H, R, n] -> bins [B, H, groups * 2**v_bits, 4 * ceil(R / 4)] (rows last: one cache line)
-        batch, heads, rows = probs.shape[0], probs.shape[1], probs.shape[2]
-        for job in range(batch * heads):
-            b, h = job // heads, job % heads
-            for r0 in range(0, rows, 4):
-                _bin_rows(probs[b, h], r0, v_codes[b, h], v_bits, n_groups, bins[b, h])
+    def _block_values(scores, lse, hidden, v_codes, v_bits, n_groups, codebook_t, v_scale, rotation, bins,
+                      out):  # pragma: no cover - compiled
+        # a coded block's scores [B, H, R, n] -> its softmax (the held rows hidden; lse [B, H, R]), then per head
+        # its bins and values (`_head_job`), in one call
+        _hide(scores, hidden)
+        _softmax_rows(scores.reshape(-1, scores.shape[3]), lse.reshape(-1))
+        for job in range(scores.shape[0] * scores.shape[1]):
+            _head_job(job, scores, v_codes, v_bits, n_groups, codebook_t, v_scale, rotation, bins, out)
 
     @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-    def _value_bins_parallel(probs, v_codes, v_bits, n_groups, bins):  # pragma: no cover - compiled
-        # `_value_bins`, its heads on numba's threads
-        batch, heads, rows = probs.shape[0], probs.shape[1], probs.shape[2]
-        for job in numba.prange(batch * heads):
-            b, h = job // heads, job % heads
-            for r0 in range(0, rows, 4):
-                _bin_rows(probs[b, h], r0, v_codes[b, h], v_bits, n_groups, bins[b, h])
-
-    @njit(cache=True, fastmath=_FASTMATH)
-    def _bin_values(bins, codebook_t, scale, rotation, out):  # pragma: no cover - compiled
-        # bins [B, H, R, groups * K] -> out [B, H, R, d]: (sum_k bins * codebook[k]) * scale, then @ rotation.T
-        # (codebook_t [group, K]: every sum is a contiguous dot product)
-        batch, heads, rows = bins.shape[0], bins.shape[1], bins.shape[2]
-        group, k_entries = codebook_t.shape
-        d = out.shape[3]
-        rotated = np.empty(d, np.float32)
-        for b in range(batch):
-            for h in range(heads):
-                for r in range(rows):
-                    row = bins[b, h, r]
-                    for j in range(d):
-                        g, i = j // group, j % group
-                        part = row[g * k_entries:(g + 1) * k_entries]
-                        code = codebook_t[i]
-                        acc = np.float32(0.0)
-                        for k in range(k_entries):
-                            acc += part[k] * code[k]
-                        rotated[j] = acc * scale[h, j]
-                    for e in range(d):
-                        back = rotation[e]
-                        acc = np.float32(0.0)
-                        for j in range(d):
-                            acc += rotated[j] * back[j]
-                        out[b, h, r, e] = acc
+    def _block_values_parallel(scores, lse, hidden, v_codes, v_bits, n_groups, codebook_t, v_scale, rotation, bins,
+                               out):  # pragma: no cover - compiled
+        # `_block_values`, its heads on numba's threads
+        _hide(scores, hidden)
+        _softmax_rows(scores.reshape(-1, scores.shape[3]), lse.reshape(-1))
+        for job in numba.prange(scores.shape[0] * scores.shape[1]):
+            _head_job(job, scores, v_codes, v_bits, n_groups, codebook_t, v_scale, rotation, bins, out)
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _unpack_row(row, per_byte, vec):  # pragma: no cover - compiled
@@ -986,8 +1011,7 @@ def threading_layer_usable() -> bool:
     once by starting it with a tiny parallel kernel (the warm-ups call it: that kernel is compiled then)."""
     global _threads_usable
     if _threads_usable is None:
-        _value_bins_parallel(np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.uint8), 8, 1,
-                             np.zeros((1, 1, 256, 4), np.float32))
+        _start_threads(np.zeros(2, np.int64))
         _threads_usable = numba.threading_layer() in _THREADED_LAYERS
     return _threads_usable
 
@@ -1070,9 +1094,10 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
         scaled, mean, query = scaled[..., columns], mean[:, columns], query[..., split]
     scopes = codes.unbind(1) if isinstance(codes, torch.Tensor) else codes
     lse = np.empty((batch, heads, n_rows), np.float32)
+    bins = np.empty((batch, heads, n_groups << v_bits, -(-n_rows // 4) * 4), np.float32)
     hidden = None if hidden is None else hidden.to(torch.int32)
-    bins = _code_bins(scopes, layout, scaled, mean, cos_t, sin_t, _row_quads(_numpy(query.float()), scaling),
-                      hidden, v_codes, v_bits, n_groups, rows, lse)
+    _block_attention(scopes, layout, scaled.transpose(1, 2), mean, cos_t, sin_t, _row_quads(_numpy(query.float()),
+                     scaling), hidden, v_codes, v_bits, n_groups, rows, lse, bins)
     return torch.from_numpy(bins)[..., :n_rows].transpose(2, 3), torch.from_numpy(lse)
 
 
@@ -1085,42 +1110,51 @@ def _row_quads(query: np.ndarray, scaling: float) -> np.ndarray:
     return q4.reshape(batch, heads, -1, 4, d)
 
 
-def _code_bins(scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
-               q4: np.ndarray, hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None,
-               lse: np.ndarray) -> np.ndarray:
-    """`code_attention` (channels as two halves) of the scaled query quads ``q4`` (`_row_quads`) over one block:
-    its bins ``[B, H_kv, n_groups * 2**v_bits, 4 * ceil(R / 4)]`` (query rows last), its log-sum-exp written
-    into ``lse [B, H_kv, R]``. The codes (``scopes``, ``v_codes``) and the int32 ``hidden`` rows: tensors or
-    numpy views of them."""
+_NO_HIDDEN = np.zeros((1, 1, 0), np.int32)
+_NO_BINS = np.zeros((0, 0, 0, 0), np.float32)
+_NO_OUT = np.zeros((0, 0, 0, 0), np.float32)
+_NO_VALUES = (np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32))
+
+
+def _block_attention(scopes, layout, basis_t: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor,
+                     sin_t: torch.Tensor, q4: np.ndarray, hidden, v_codes, v_bits: int, n_groups: int,
+                     rows: torch.Tensor | np.ndarray | None, lse: np.ndarray, bins: np.ndarray | None = None,
+                     values: tuple | None = None, out: np.ndarray | None = None) -> None:
+    """`code_attention` (channels as two halves) of the scaled query quads ``q4`` (`_row_quads`) over one block: its
+    log-sum-exp written into ``lse [B, H_kv, R]``; its bins into ``bins [B, H_kv, n_groups * 2**v_bits, 4 *
+    ceil(R / 4)]`` (query rows last) unless None; with ``values`` (the value codebook transposed ``[group, K]``, the
+    scales ``[H_kv, d]`` and the rotation ``[d, d]``, float32 numpy), the block's attention output into ``out [B,
+    H_kv, R, d]``. ``basis_t [S, W, r]``: the scaled bases; the codes (``scopes``, ``v_codes``) and the int32
+    ``hidden`` rows: tensors or numpy views. Per slice of tokens: their coefficients (one call), their keys (one
+    batched product: torch's BLAS), their scores with RoPE (one call); then the softmax, bins and values (one
+    call)."""
     batch, heads, n_rows = lse.shape
     scopes = tuple(_numpy(c) for c in scopes)
     n_scopes, n = len(scopes), scopes[0].shape[1]
     heads_per_scope = heads // n_scopes
-    rank = scaled.shape[1]
-    basis_t = scaled.float().transpose(1, 2)         # [S, W, r]: BLAS reads it transposed in place
+    rank = basis_t.shape[2]
+    basis_t = basis_t.float()                        # [S, W, r]: BLAS reads it as it is
     positions = _NO_ROWS if rows is None else rows if isinstance(rows, np.ndarray) else _numpy(rows.long())
     c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
     scores = scratch("scores", (batch, heads, n_rows, n)).numpy()
-    bins = np.zeros((batch, heads, n_groups << v_bits, q4.shape[2] * 4), np.float32)
     lut = byte_levels(layout.level_kind, layout.widths)
     lut64 = lut.view(np.int64)                       # a byte's levels as 8-byte words
     parallel = _use_threads()
     decode_scopes = _decode_scopes_parallel if parallel else _decode_scopes
     block_scores = _block_scores_parallel if parallel else _block_scores
-    value_bins = _value_bins_parallel if parallel else _value_bins
     for first in range(0, n, _SLICE):
         m = min(_SLICE, n - first)
         levels = scratch("levels", (n_scopes, batch, m, rank + _SPARE + rank % 2))
-        out = levels.numpy()
-        decode_scopes(scopes, layout.runs, layout.run_counts, lut, lut64, first, out, out.view(np.int64))
+        coefficients = levels.numpy()
+        decode_scopes(scopes, layout.runs, layout.run_counts, lut, lut64, first, coefficients,
+                      coefficients.view(np.int64))
         keys_t = scratch("keys", (n_scopes, basis_t.shape[1], batch * m))
         torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2), out=keys_t)
         block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)
-    if hidden is not None and hidden.shape[-1]:
-        _hide(scores, _numpy(hidden))
-    _softmax_rows(scores.reshape(batch * heads * n_rows, n), lse.reshape(-1))  # one pass a row, not three torch ops
-    value_bins(scores, _numpy(v_codes), v_bits, n_groups, bins)
-    return bins
+    codebook_t, scale, rotation = _NO_VALUES if values is None else values
+    (_block_values_parallel if parallel else _block_values)(
+        scores, lse, _NO_HIDDEN if hidden is None else _numpy(hidden), _numpy(v_codes), v_bits, n_groups, codebook_t,
+        scale, rotation, _NO_BINS if bins is None else bins, _NO_OUT if out is None else out)
 
 
 def _outputs(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -1169,11 +1203,6 @@ def set_bit_positions(packed: torch.Tensor | np.ndarray, n: int) -> np.ndarray:
     order), in one pass: what ``unpack_bits(packed, 1, n).nonzero()`` gives, in microseconds, not a few torch ops."""
     out = np.empty(n, np.int64)
     return out[:_set_bits(_numpy(packed), n, out)]
-
-
-def _values_into(bins: np.ndarray, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor,
-                 out: np.ndarray) -> None:
-    _bin_values(bins, _numpy(codebook.float().T), _numpy(scale.float()), _numpy(rotation.float()), out)
 
 
 def turbo_supported(turbo) -> bool:
@@ -1310,21 +1339,18 @@ class StepParts:
                         scratch("ring values", (n, d)).numpy().view(np.uint32),
                         scratch("ring scores", (self.query.shape[2] * n,)).numpy())
 
-    def code(self, scopes, layout, scaled: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
-             hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None,
+    def code(self, scopes, layout, basis_t: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor,
+             sin_t: torch.Tensor, hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None,
              codebook: torch.Tensor, v_scale: torch.Tensor, rotation: torch.Tensor) -> None:
-        """`code_attention` (``halves=True``; the codes and the int32 ``hidden`` rows as tensors or numpy views) then
-        the value pass (each group's probability-weighted codewords, times ``v_scale``, rotated back): a coded
-        block's partial."""
+        """`code_attention` (``halves=True``; the scaled bases as ``basis_t [S, W, r]``; the codes and the int32
+        ``hidden`` rows as tensors or numpy views) and the value pass (each group's probability-weighted codewords,
+        times ``v_scale``, rotated back): a coded block's partial (`_block_attention`)."""
         if self._quads is None:
             self._quads = _row_quads(self.query, self.scaling)
         out, lse = self._next()
-        bins = _code_bins(scopes, layout, scaled, mean, cos_t, sin_t, self._quads, hidden, v_codes, v_bits, n_groups,
-                          rows, lse)
-        # one row after another for the value pass (its dot products run along the codewords): a copy of ~150 KB
-        # at 2K tokens, cheaper than reading the rows-last layout in place (strided sums, 10x slower measured)
-        _values_into(np.ascontiguousarray(bins[..., :lse.shape[-1]].transpose(0, 1, 3, 2)), codebook, v_scale, rotation,
-                     out)
+        values = (_numpy(codebook.float().T.contiguous()), _numpy(v_scale.float()), _numpy(rotation.float()))
+        _block_attention(scopes, layout, basis_t, mean, cos_t, sin_t, self._quads, hidden, v_codes, v_bits, n_groups,
+                         rows, lse, None, values, out)
 
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """A part computed elsewhere: grouped ``out [B, H_kv, R, d]``, ``lse [B, H_kv, R]``."""
@@ -1443,7 +1469,7 @@ def _warm_up_scopes(scopes: int) -> None:
                        torch.zeros(1, scopes, 1, 2), 1.0, None, v_codes, 8, 1, rows=torch.arange(2))
         parts = StepParts(torch.zeros(1, scopes, 1, 2), 1.0, 2)   # the decode step's layouts of the same kernels
         hidden = torch.zeros(1, scopes, 1, dtype=torch.int32)    # a row held apart (Shard's salient tokens)
-        parts.code(codes, layout, scaled, mean, torch.ones(1, 1, 2), torch.zeros(1, 1, 2), hidden, v_codes, 8, 1,
+        parts.code(codes, layout, scaled.transpose(1, 2), mean, torch.ones(1, 1, 2), torch.zeros(1, 1, 2), hidden, v_codes, 8, 1,
                    torch.arange(2), torch.zeros(256, 2), torch.ones(scopes, 2), torch.eye(2))
         parts.add(torch.zeros(1, scopes, 1, 2), torch.zeros(1, scopes, 1))
         parts.merged()
