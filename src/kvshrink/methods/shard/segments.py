@@ -4,7 +4,7 @@ TurboQuant decode stream)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -193,8 +193,9 @@ class TurboSegment:
     On the GPU path they are views of one ``buffer`` (``[2, B, H_kv, capacity, ...]``, keys then values)
     that the encode kernel writes in place, so a decode step appends without a concatenation."""
 
-    keys: TurboCode | None = None
-    values: TurboCode | None = None
+    # no class default (a factory instead): after `filled` they are missing and `__getattr__` makes them
+    keys: TurboCode | None = field(default_factory=lambda: None)
+    values: TurboCode | None = field(default_factory=lambda: None)
     n: int = 0
     runs: list = None  # (first index, count) of each appended run; python ints, for `dequantized`
     buffer: TurboCode | None = None
@@ -239,7 +240,17 @@ class TurboSegment:
         """``count`` tokens from index ``start`` were written into the buffer after the ``n`` held."""
         self.add_run(start, count)
         self.n += count
-        self.keys, self.values = (self.buffer.select(i).tokens(0, self.n) for i in (0, 1))
+        # the views of the first ``n`` tokens are made again when next read (`__getattr__`), not at every decode
+        # step: the CPU fast path reads the buffer itself (~30 us a layer and step in a model step, session 30)
+        self.__dict__.pop("keys", None)
+        self.__dict__.pop("values", None)
+
+    def __getattr__(self, name: str):
+        # only for attributes not set: ``keys`` and ``values`` after `filled`, views of the buffer's first ``n``
+        if name in ("keys", "values") and self.__dict__.get("buffer") is not None:
+            self.keys, self.values = (self.buffer.select(i).tokens(0, self.n) for i in (0, 1))
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def index(self, device) -> torch.Tensor:
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.runs])
