@@ -619,7 +619,8 @@ if numba is not None:
                 out[r, e] = acc
 
     @njit(fastmath=_FASTMATH, inline="always")
-    def _head_job(job, probs, v_codes, v_bits, n_groups, codebook_t, v_scale, rotation, bins, out):  # pragma: no cover
+    def _head_job(job, probs, v_codes, v_bits, n_groups, codebook_t, v_scale, rotation, bins,
+                  out):  # pragma: no cover - compiled
         # one (batch row, head)'s probabilities [R, n] summed per value group and codeword (`_bin_rows`), into bins
         # [B, H, groups * K, 4 * ceil(R / 4)] when kept (else a local array), then its values into out [B, H, R, d]
         # when asked (out with rows)

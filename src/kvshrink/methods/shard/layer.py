@@ -444,8 +444,8 @@ class ShardLayer(CacheLayer):
         k_entries, group = block.v_codebook.shape
         scaled = (factors.scaled_bases_t(block.keys) if arrays.bases is None else
                   fused.scaled_bases(arrays.bases, factors.factor, factors.column))
-        parts.code(arrays.scopes, self.run_layout(block), scaled, factors.mean, cos_t, sin_t, arrays.hidden, arrays.v_codes, int(math.log2(k_entries)),
-                   self.d // group, rows, block.v_codebook, block.v_scale,
+        parts.code(arrays.scopes, self.run_layout(block), scaled, factors.mean, cos_t, sin_t, arrays.hidden,
+                   arrays.v_codes, int(math.log2(k_entries)), self.d // group, rows, block.v_codebook, block.v_scale,
                    self.shared.rotation.matrix(block.v_codes.device))
 
     def block_arrays(self, block: MiddleBlock) -> BlockArrays:
