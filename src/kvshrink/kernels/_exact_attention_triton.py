@@ -62,15 +62,16 @@ def _normalised(acc, l_i, m_i):
 
 @triton.jit
 def _exact_attention_kernel(
-    Q, K, V, O, L, KIDX, PAD, QIDX,
+    Q, K, V, O, L, KIDX, PAD, QIDX, NK, NV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_os, stride_om, stride_od,
     stride_lb, stride_lh, stride_ls, stride_lm,
     stride_ib, stride_in,
+    stride_nkb, stride_nkh, stride_nkd, stride_nvb, stride_nvh, stride_nvd,
     n_kv_heads, groups, n_rows, q_len, n_keys, head_dim, keys_per_split, key_start, scaling,
-    HAS_KIDX: tl.constexpr, HAS_PAD: tl.constexpr, HAS_QIDX: tl.constexpr,
+    HAS_KIDX: tl.constexpr, HAS_PAD: tl.constexpr, HAS_QIDX: tl.constexpr, HAS_NEW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     COMPUTE_FP32: tl.constexpr,
 ):
@@ -128,6 +129,20 @@ def _exact_attention_kernel(
             else:
                 visible = visible & seen[None, :]
         m_i, l_i, acc = _online_softmax_tile(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc, COMPUTE_FP32)
+
+    if HAS_NEW:
+        if pid_s == tl.num_programs(2) - 1:   # one key every row sees, in its own dtype, in fp32
+            nk = tl.load(NK + b * stride_nkb + h * stride_nkh + dims * stride_nkd, mask=dim_ok, other=0.0)
+            nv = tl.load(NV + b * stride_nvb + h * stride_nvh + dims * stride_nvd, mask=dim_ok, other=0.0)
+            s_new = tl.reduce(q.to(tl.float32) * nk.to(tl.float32)[None, :], 1, _SUM) * scaling
+            s_new = tl.where(row_ok, s_new, float("-inf"))
+            m_new = tl.maximum(m_i, s_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p_new = tl.exp(s_new - m_safe)
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * nv.to(tl.float32)[None, :]
+            m_i = m_new
 
     out, lse = _normalised(acc, l_i, m_i)
     o_ptrs = (O + b * stride_ob + q_head[:, None] * stride_oh + pid_s * stride_os

@@ -90,12 +90,16 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_index: torch.Tensor | None = None, query_index: torch.Tensor | None = None,
                     pad_len: torch.Tensor | None = None, key_start: int = 0,
                     num_splits: int | None = None,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    out: torch.Tensor | None = None,
+                    new: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H_q, q, d] float32, lse [B, H_q, q] float32)`` of ``query`` over ``key/value``.
 
     ``key_index`` (``[n]`` or ``[B, n]`` ints) gives the token index of each key; without it the keys are
     tokens ``key_start .. key_start+n-1``. ``query_index`` (``[q]``) and ``pad_len`` (``[B]``) as in
     ``kvshrink.cache.attention.visibility_mask``. ``num_splits`` overrides the split of the key axis.
+    ``new``: one more key and value ``[B, H_kv, 1, d]`` that every query row sees, read in their own dtype
+    (a decode step's own token of an fp32 model beside a 16-bit store: attended in the same launch, not
+    rounded to the store's dtype and not by a kernel of its own).
     """
     b, hq, q, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
@@ -129,17 +133,23 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     else:
         stride_ib = stride_in = 0
     dummy = lse  # a pointer for the arguments a specialisation never reads
+    new_k, new_v = new if new is not None else (dummy, dummy)
+    if new is not None and (new_k.shape[:2] != (b, hkv) or new_k.shape[2] != 1 or new_v.shape != new_k.shape):
+        raise ValueError(f"the new key and value must be [B, H_kv, 1, d] = [{b}, {hkv}, 1, {d}], got "
+                         f"{tuple(new_k.shape)} and {tuple(new_v.shape)}")
+    new_strides = ((new_k.stride(0), new_k.stride(1), new_k.stride(3), new_v.stride(0), new_v.stride(1),
+                    new_v.stride(3)) if new is not None else (0,) * 6)
     pad = pad_len.to(query.device) if pad_len is not None else None
     qidx = query_index.to(query.device) if query_index is not None else None
     with counting.kernel_launch("exact_attention"):
         _kernel()[0][(b * hkv, grid_m, splits)](
             query, key, value, o_buf, lse,
             kidx if kidx is not None else dummy, pad if pad is not None else dummy,
-            qidx if qidx is not None else dummy,
+            qidx if qidx is not None else dummy, new_k, new_v,
             *query.stride(), *key.stride(), *value.stride(), *o_strides, *l_strides,
-            stride_ib, stride_in,
+            stride_ib, stride_in, *new_strides,
             hkv, hq // hkv, rows, q, n, d, per_split, key_start, float(scaling),
-            HAS_KIDX=kidx is not None, HAS_PAD=pad is not None, HAS_QIDX=qidx is not None,
+            HAS_KIDX=kidx is not None, HAS_PAD=pad is not None, HAS_QIDX=qidx is not None, HAS_NEW=new is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, COMPUTE_FP32=compute_fp32,
         )
     if splits == 1:

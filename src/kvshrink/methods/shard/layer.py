@@ -217,8 +217,12 @@ class ShardLayer(CacheLayer):
             # kernel and one partial fewer per block)
             gpu = backend.gpu_path(query)
             extra = [] if gpu else [tokens.key_values(ring.dtype) for tokens in salient]
-            parts = [part for part in (ring.partial(query, ctx.scaling, extra),) if part is not None]
-            if not inside:
+            # on the GPU path the token the ring does not hold (an fp32 model's, unrounded) is attended in
+            # the ring's launch: one exact kernel per layer, not two
+            fold = not inside and gpu and backend.triton_available()
+            parts = [part for part in (ring.partial(query, ctx.scaling, extra, (key, value) if fold else None),)
+                     if part is not None]
+            if not inside and not fold:
                 parts.append(self._chunk_partial(query, key, value, ctx))
             parts += salient_partials(query, salient if gpu else [], ctx.scaling, ring.dtype)
             out = merge_partials(parts + self.code_partials(query, ctx), query.dtype).out

@@ -68,10 +68,19 @@ class ExactRing:
         return self.kv[:, :, :, at:at + 1], index
 
     def partial(self, query: torch.Tensor, scaling: float,
-                extra: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> Partial | None:
+                extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
+                new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
         """Exact attention of ``query`` over every token held and the ``extra`` keys and values (tokens
-        the query sees all of, in the ring's dtype: attended in the same call), None when there are none."""
+        the query sees all of, in the ring's dtype: attended in the same call), None when there are none.
+        ``new`` (the step's own key and value ``[B, H_kv, 1, d]``, unrounded; GPU path with Triton only) is
+        attended in the same launch (`kernels.exact_attention.exact_attention`'s ``new``)."""
         keys, values = self._with(extra)
+        if new is not None:
+            if not (gpu_path(query) and triton_available()):
+                raise ValueError("ExactRing.partial attends a new token in the ring's launch on the GPU path only")
+            from kvshrink.kernels.exact_attention import exact_attention
+
+            return Partial(*exact_attention(query, keys, values, scaling, new=new))
         return exact_partial(query, keys, values, scaling) if keys.shape[2] else None
 
     def attend_into(self, parts: fused.StepParts, extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
