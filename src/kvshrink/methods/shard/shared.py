@@ -78,9 +78,11 @@ class ShardShared:
     def channel_rope(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(cos, sin)`` ``[B, d/2, n]`` of each RoPE pair, channel-major (the CPU fast path's layout:
         a pair's tokens contiguous), memoised: every layer's block covering the span reads the same tables."""
-        def make():
-            phases = self.phases(ctx, start, n)[:, 0].transpose(1, 2)
-            return phases.real.contiguous(), phases.imag.contiguous()
+        def make():   # `StepContext.rope`'s angles of one half, channel-major: no complex tensor or transpose
+            device = ctx.offset.device
+            positions = ctx.positions(torch.arange(start, start + n, device=device)).float()   # [B, n]
+            angles = ctx.rope_frequencies(device)[None, :, None] * positions[:, None, :]          # [B, d/2, n]
+            return angles.cos(), angles.sin()
 
         return self._memo(ctx, ("channel_rope", start, n), make)
 
