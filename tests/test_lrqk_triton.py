@@ -421,6 +421,58 @@ def test_token_order_keys_rank_as_the_tie_rule():
             assert torch.equal(top_k_by_keys(token_order_keys(mass), k, policy),
                                top_k_in_token_order(mass, k, policy)[1])
 
+@pytest.mark.parametrize("policy", ["set", "lru", "attention"])
+@pytest.mark.parametrize("prefetch,ahead,overflow", [(False, False, None), (True, True, True), (True, False, False)])
+def test_slot_plan_kernel_equals_the_tensor_ops(policy, prefetch, ahead, overflow):
+    """`kernels.lrqk_slots.slot_plan` (two launches) against `SlotTier._plan_torch` (the tensor ops it replaces) on
+    random slot states: empty slots, tied policy values, hits and misses, tokens found in last step's prefetched
+    rows, the overflow flag and the tokens to prefetch riding on the plan; the slots' tokens, values and chosen
+    flags updated alike."""
+    import copy
+
+    from kvshrink.kernels.counting import OpCounter
+    from kvshrink.kernels.lrqk_slots import slot_plan
+    from kvshrink.methods.lrqk_tiers import SlotTier
+
+    g = torch.Generator().manual_seed(len(policy) + 3 * prefetch + 5 * ahead)
+    span = 40
+    slow = type("Slow", (), {"length": span, "rows": 0})()
+    seen = Counter()
+    for trial in range(6):
+        rows, cap = 1 + trial % 3, 4 + 7 * trial
+        k = max(1, cap - trial)
+        slow.rows = rows
+        tier = SlotTier(rows, cap, 8, torch.float16, torch.device("cpu"), policy)
+        for r in range(rows):
+            full = int(torch.randint(0, cap + 1, (1,), generator=g))
+            tier.token[r, torch.randperm(cap, generator=g)[:full]] = torch.randperm(span, generator=g)[:full]
+        tier.score = torch.randint(0, 3, (rows, cap), generator=g).float()
+        tier.chosen = torch.rand(rows, cap, generator=g) > 0.5
+        tier.step = 3 + trial
+        selected = torch.stack([torch.randperm(span, generator=g)[:k] for _ in range(rows)])
+        mass = torch.rand(rows, k, generator=g)
+        pf = torch.stack([torch.randperm(span, generator=g)[:5] for _ in range(rows)]) if prefetch else None
+        ahead_tokens = torch.randint(0, span, (rows, 3), generator=g) if ahead else None
+        flag = None if overflow is None else torch.tensor(overflow)
+        oracle = copy.deepcopy(tier)
+        want = oracle._plan_torch(selected, slow, mass, flag, (pf, None) if prefetch else None, ahead_tokens)
+        with force_gpu_path(), OpCounter() as counter:
+            slot, plan, dest = slot_plan(selected, tier.token, tier.score, tier.chosen, policy, tier.step, rows,
+                                         mass, flag, pf, ahead_tokens)
+        assert counter.launches == 2 and counter.syncs == 0, (counter.launch_ops, counter.kernels)
+        n = rows * k
+        m = int(want[1][n])
+        assert torch.equal(slot, want[0]) and int(plan[n]) == m
+        assert torch.equal(plan[:m], want[1][:m]) and torch.equal(dest[:m], want[2][:m])
+        assert torch.equal(plan[n + 1:], want[1][n + 1:])       # the overflow flag (-1: none), then `ahead`
+        assert torch.equal(tier.token, oracle.token) and torch.equal(tier.score, oracle.score)
+        assert torch.equal(tier.chosen, oracle.chosen)
+        seen["missed"] += m
+        seen["resident"] += n - m
+        seen["prefetched"] += int((plan[:m] < 0).sum())
+    assert seen["missed"] and seen["resident"] and (seen["prefetched"] > 0) == prefetch, seen
+
+
 _COMPILE_SCRIPT = r"""
 import importlib.util, os, sys, types
 import triton
@@ -435,6 +487,7 @@ for name, path in (("kvshrink", root), ("kvshrink.kernels", os.path.join(root, "
     sys.modules[name] = pkg
 from kvshrink.kernels import lrqk_proxy as k
 from kvshrink.kernels import lrqk_factor
+from kvshrink.kernels import lrqk_slots
 P, I = "*fp32", "i32"
 proxy = {"q_ptr": P, "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, "R": I, "a_row_stride": I,
          "a_tok_stride": I, "scale": "fp32", "HAS_PAD": "constexpr", "BLOCK_G": "constexpr",
@@ -458,6 +511,17 @@ kernels = [
       **{n: I for n in ("G", "D", "R", "S", "W", "win_start", "copies", "a_head_stride", "a_row_stride")},
       "lam": "fp32", **{n: "constexpr" for n in ("ITERS", "UPDATE", "GP", "DP", "RP", "BLOCK_T")}},
      {"ITERS": 2, "UPDATE": True, "GP": 16, "DP": 128, "RP": 32, "BLOCK_T": 32}),
+    (lrqk_slots._slot_plan_rows,
+     {"SEL": "*i64", "TOK": "*i64", "SCORE": P, "CHOSEN": "*i8", "MASS": P, "PF": "*i64", "PRIO": P,
+      "ORDER": "*i32", "SLOT": "*i64", "SRC": "*i64", "DST": "*i64", "COUNT": "*i64",
+      **{n: I for n in ("k", "cap", "e", "slow_rows")}, "step": "fp32",
+      **{n: "constexpr" for n in ("POLICY", "HAS_MASS", "HAS_PF", "BLOCK_K", "BLOCK_C", "TILE")}},
+     {"POLICY": 2, "HAS_MASS": True, "HAS_PF": True, "BLOCK_K": 2048, "BLOCK_C": 4096, "TILE": 16}),
+    (lrqk_slots._pack_plan,
+     {"SRC": "*i64", "DST": "*i64", "COUNT": "*i64", "OVF": "*i1", "AHEAD": "*i64", "PLAN": "*i64",
+      "DEST": "*i64", "rows": I, "k": I, "n_ahead": I,
+      **{n: "constexpr" for n in ("HAS_OVF", "BLOCK_R", "BLOCK_K", "BLOCK_A")}},
+     {"HAS_OVF": True, "BLOCK_R": 64, "BLOCK_K": 2048, "BLOCK_A": 256}),
 ]
 for fn, sig, consts in kernels:
     sig = {n: sig[n] for n in fn.arg_names}         # in the kernel's parameter order

@@ -30,6 +30,7 @@ import torch
 
 from kvshrink.cache.store import _FP16_MAX, check_fp16_peak, held_bytes, to_storage
 from kvshrink.codecs import fused
+from kvshrink.kernels.backend import triton_available
 
 POLICIES = ("set", "lru", "attention")
 SLOW_TIERS = ("cpu", "disk")
@@ -380,6 +381,8 @@ class FillReport:
 class SlotTier:
     """``capacity`` slots per row (row = one KV head of one batch row) of full K/V in fast memory."""
 
+    plan_kernel = True   # `select_device` plans in Triton where it can (off: its tensor ops, the tests' oracle)
+
     def __init__(self, rows: int, capacity: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, policy: str):
         if policy not in POLICIES:
@@ -503,8 +506,9 @@ class SlotTier:
                       overflow: torch.Tensor | None = None,
                       prefetched: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ahead: torch.Tensor | None = None):
-        """``select`` for the GPU path: the bookkeeping in tensor ops on the slots' device (no numba, no
-        Python loop over tensors) and one host synchronisation, the miss transfer.
+        """``select`` for the GPU path: the bookkeeping on the slots' device, in two Triton launches
+        (`kernels.lrqk_slots.slot_plan`; without Triton, or with ``plan_kernel`` off, in tensor ops: its oracle),
+        and one host synchronisation, the miss transfer.
 
         The same slots as ``select``: membership through dense per-row maps (token -> slot), the eviction
         order by a stable argsort of the policy values, and the i-th missing token of a row (in
@@ -527,6 +531,53 @@ class SlotTier:
             raise ValueError(f"LRQK: {k} selected tokens do not fit {cap} slots")
         device = self.token.device
         selected = selected.to(device).long()
+        n = rows * k
+        if self._plan_kernel_runs():
+            from kvshrink.kernels.lrqk_slots import slot_plan
+
+            slot, plan, dest = slot_plan(
+                selected, self.token, self.score, self.chosen, self.policy, self.step, slow.rows,
+                mass.to(device) if mass is not None else None, overflow,
+                prefetched[0].to(device) if prefetched is not None else None,
+                ahead.to(device) if ahead is not None else None)
+        else:
+            slot, plan, dest = self._plan_torch(selected, slow, mass, overflow, prefetched, ahead)
+        # the one host synchronisation
+        host = _miss_plan_to_host(plan).numpy()
+        slow.stream_synced()
+        m = int(host[n])
+        moved = hits = 0
+        if m:
+            codes = host[:m]
+            from_pf = np.flatnonzero(codes < 0)
+            hits = int(from_pf.size)
+            extra = None
+            if hits:
+                extra = (torch.from_numpy(from_pf), prefetched[1].index_select(0, torch.from_numpy(-1 - codes[from_pf])))
+            fill = slow.gather_to(torch.from_numpy(codes), device, extra)
+            moved = (m - hits) * 2 * slow.head_dim * fill.element_size()
+            fill = deferred_to_storage(fill, self.keys.dtype, overflow)
+            into = dest[:m]
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, into, fill[:, 0])
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, into, fill[:, 1])
+        flag = bool(host[n + 1] > 0) if overflow is not None else None
+        ahead_host = torch.from_numpy(host[n + 2:]).reshape(ahead.shape) if ahead is not None and ahead.numel() else None
+        return FillReport(selected=n, missed=m, bytes_moved=moved, prefetch_hits=hits), slot, flag, ahead_host
+
+    def _plan_kernel_runs(self) -> bool:
+        """Whether `select_device` plans with the Triton kernels (`kernels.lrqk_slots`): Triton importable, the
+        slot state contiguous, and ``plan_kernel`` on (the tests switch it off for the tensor ops, the oracle)."""
+        return (self.plan_kernel and triton_available() and self.token.is_contiguous()
+                and self.score.is_contiguous() and self.chosen.is_contiguous())
+
+    def _plan_torch(self, selected: torch.Tensor, slow: SlowTier, mass: torch.Tensor | None,
+                    overflow: torch.Tensor | None, prefetched: tuple[torch.Tensor, torch.Tensor] | None,
+                    ahead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`kernels.lrqk_slots.slot_plan` in tensor ops (its oracle): ``(slot, plan, dest)``, the slots' state
+        updated."""
+        rows, k = selected.shape
+        cap = self.capacity
+        device = self.token.device
         span = slow.length
         column = _map_index(self.token, span)                                    # [rows, S]
         slot_of = torch.full((rows, span + 1), -1, dtype=torch.long, device=device)
@@ -568,27 +619,7 @@ class SlotTier:
             self.score.masked_fill_(self.chosen, float(self.step))
         elif self.policy == "attention" and mass is not None:
             self.score.scatter_add_(1, slot, mass.float().to(device))
-        # the one host synchronisation
-        host = _miss_plan_to_host(plan).numpy()
-        slow.stream_synced()
-        m = int(host[n])
-        moved = hits = 0
-        if m:
-            codes = host[:m]
-            from_pf = np.flatnonzero(codes < 0)
-            hits = int(from_pf.size)
-            extra = None
-            if hits:
-                extra = (torch.from_numpy(from_pf), prefetched[1].index_select(0, torch.from_numpy(-1 - codes[from_pf])))
-            fill = slow.gather_to(torch.from_numpy(codes), device, extra)
-            moved = (m - hits) * 2 * slow.head_dim * fill.element_size()
-            fill = deferred_to_storage(fill, self.keys.dtype, overflow)
-            into = dest[:m]
-            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, into, fill[:, 0])
-            self.values.view(-1, self.values.shape[-1]).index_copy_(0, into, fill[:, 1])
-        flag = bool(host[n + 1] > 0) if overflow is not None else None
-        ahead_host = torch.from_numpy(host[n + 2:]).reshape(ahead.shape) if n_ahead else None
-        return FillReport(selected=n, missed=m, bytes_moved=moved, prefetch_hits=hits), slot, flag, ahead_host
+        return slot, plan, dest
 
     @staticmethod
     def _fill_with_prefetch(selected, missing, row_idx, tokens, slow, prefetched, span):

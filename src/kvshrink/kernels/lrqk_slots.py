@@ -1,0 +1,182 @@
+"""LRQK's slot bookkeeping on the GPU path in two Triton launches: which selected tokens miss, the slot each
+takes, the policy state, and the packed miss plan that is the step's one copy to the host.
+
+``slot_plan`` does what ``SlotTier.select_device``'s tensor ops did (about 50 launches per layer and step; that
+torch version stays, ``select_device(..., kernel=False)``, as the oracle of the tests). Per row (one KV head of
+one batch row), one program:
+
+- ``current[j]``: the slot holding selected token ``j``, or -1 (it misses); ``stays[s]``: slot ``s`` holds a
+  selected token. Found by comparing the selection with the slots' tokens a tile at a time (no dense
+  per-token map: ``k·capacity`` comparisons, a few hundred thousand, instead of two maps of the context's
+  length);
+- the eviction order: empty slots first, then by policy value, selected residents last, ties by slot
+  (``argsort(stable=True)``), as each slot's rank among the row's priorities; the ``i``-th missing token (in
+  selection order) takes the slot of rank ``i``;
+- the tokens, policy values and chosen flags of the slots updated as the torch ops update them;
+- the row's missing tokens' sources (a slow-tier row, or ``-1 - position`` in last step's prefetched rows)
+  and destinations, and their count.
+
+A second launch packs the rows' misses row-major into the plan (each row's offset the sum of the counts
+before it), with the total, the overflow flag and the tokens to prefetch after them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshrink.kernels import counting
+from kvshrink.kernels.backend import triton as _load_triton
+
+triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
+import triton.language as tl  # noqa: E402
+
+__all__ = ["slot_plan"]
+
+_POLICY_CODE = {"set": 0, "lru": 1, "attention": 2}
+_TILE = 16     # tokens compared (or priorities ranked) per loop iteration
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+@triton.jit
+def _slot_plan_rows(SEL, TOK, SCORE, CHOSEN, MASS, PF, PRIO, ORDER, SLOT, SRC, DST, COUNT,
+                    k, cap, e, slow_rows, step,
+                    POLICY: tl.constexpr, HAS_MASS: tl.constexpr, HAS_PF: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, TILE: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.arange(0, BLOCK_K)
+    j_ok = j < k
+    s = tl.arange(0, BLOCK_C)
+    s_ok = s < cap
+    t = tl.arange(0, TILE)
+    sel = tl.load(SEL + row * k + j, mask=j_ok, other=-2)
+    tok = tl.load(TOK + row * cap + s, mask=s_ok, other=-1)
+    score = tl.load(SCORE + row * cap + s, mask=s_ok, other=0.0)
+    # membership, a tile of slots (of selected tokens) at a time
+    current = tl.full([BLOCK_K], -1, tl.int64)
+    for c0 in range(0, cap, TILE):
+        c = c0 + t
+        held = tl.load(TOK + row * cap + c, mask=c < cap, other=-1)
+        hit = (sel[:, None] == held[None, :]) & (held[None, :] >= 0) & j_ok[:, None]
+        current = tl.maximum(current, tl.max(tl.where(hit, c[None, :].to(tl.int64), -1), axis=1))
+    stays = tl.zeros([BLOCK_C], tl.int32)
+    for j0 in range(0, k, TILE):
+        jj = j0 + t
+        chosen_tok = tl.load(SEL + row * k + jj, mask=jj < k, other=-2)
+        hit = (tok[:, None] == chosen_tok[None, :]) & (tok[:, None] >= 0) & s_ok[:, None]
+        stays = tl.maximum(stays, tl.max(hit.to(tl.int32), axis=1))
+    # eviction order: each slot's rank among the row's priorities (ties by slot: a stable argsort)
+    prio = tl.where(tok < 0, float("-inf"), tl.where(stays > 0, float("inf"), score))
+    tl.store(PRIO + row * cap + s, prio, mask=s_ok)
+    tl.debug_barrier()
+    rank = tl.zeros([BLOCK_C], tl.int32)
+    for c0 in range(0, cap, TILE):
+        c = c0 + t
+        other = tl.load(PRIO + row * cap + c, mask=c < cap, other=float("inf"))
+        before = (other[None, :] < prio[:, None]) | ((other[None, :] == prio[:, None]) & (c[None, :] < s[:, None]))
+        rank += tl.sum((before & (c[None, :] < cap)).to(tl.int32), axis=1)
+    tl.store(ORDER + row * cap + rank, s, mask=s_ok)
+    tl.debug_barrier()
+    # the i-th missing token takes the slot of rank i
+    missing = j_ok & (current < 0)
+    nth = tl.cumsum(missing.to(tl.int32), axis=0) - 1
+    slot = tl.where(missing, tl.load(ORDER + row * cap + nth, mask=missing, other=0).to(tl.int64), current)
+    tl.store(SLOT + row * k + j, slot, mask=j_ok)
+    # the policy state of the chosen slots (distinct: the selection's tokens are)
+    kept = tl.load(SCORE + row * cap + slot, mask=j_ok, other=0.0)
+    new_score = tl.where(missing, 0.0, kept)
+    if POLICY == 1:
+        new_score = tl.zeros([BLOCK_K], tl.float32) + step
+    if POLICY == 2:
+        if HAS_MASS:
+            new_score = new_score + tl.load(MASS + row * k + j, mask=j_ok, other=0.0)
+    tl.debug_barrier()
+    tl.store(SCORE + row * cap + slot, new_score, mask=j_ok)
+    tl.store(TOK + row * cap + slot, sel, mask=j_ok)
+    tl.store(CHOSEN + row * cap + s, tl.zeros([BLOCK_C], tl.int8), mask=s_ok)
+    tl.debug_barrier()
+    tl.store(CHOSEN + row * cap + slot, tl.full([BLOCK_K], 1, tl.int8), mask=j_ok)
+    # where each missing row comes from: last step's prefetched rows, else the slow tier
+    src = sel * slow_rows + row
+    if HAS_PF:
+        found = tl.full([BLOCK_K], -1, tl.int64)
+        for p0 in range(0, e, TILE):
+            p = p0 + t
+            pf = tl.load(PF + row * e + p, mask=p < e, other=-1)
+            hit = (sel[:, None] == pf[None, :]) & (pf[None, :] >= 0)
+            found = tl.maximum(found, tl.max(tl.where(hit, p[None, :].to(tl.int64), -1), axis=1))
+        src = tl.where(found >= 0, -1 - (row * e + found), src)
+    tl.store(SRC + row * k + nth, src, mask=missing)
+    tl.store(DST + row * k + nth, row * cap + slot, mask=missing)
+    tl.store(COUNT + row, tl.sum(missing.to(tl.int64), axis=0))
+
+
+@triton.jit
+def _pack_plan(SRC, DST, COUNT, OVF, AHEAD, PLAN, DEST, rows, k, n_ahead,
+               HAS_OVF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr):
+    row = tl.program_id(0)
+    r = tl.arange(0, BLOCK_R)
+    counts = tl.load(COUNT + r, mask=r < rows, other=0)
+    offset = tl.sum(tl.where(r < row, counts, 0), axis=0)
+    mine = tl.sum(tl.where(r == row, counts, 0), axis=0)
+    j = tl.arange(0, BLOCK_K)
+    ok = j < mine
+    n = rows * k
+    tl.store(PLAN + offset + j, tl.load(SRC + row * k + j, mask=ok, other=0), mask=ok)
+    tl.store(DEST + offset + j, tl.load(DST + row * k + j, mask=ok, other=0), mask=ok)
+    if row == 0:
+        tl.store(PLAN + n, tl.sum(counts, axis=0))
+        if HAS_OVF:
+            tl.store(PLAN + n + 1, tl.load(OVF).to(tl.int64))
+        else:
+            tl.store(PLAN + n + 1, -1)
+        a = tl.arange(0, BLOCK_A)
+        tl.store(PLAN + n + 2 + a, tl.load(AHEAD + a, mask=a < n_ahead, other=0), mask=a < n_ahead)
+
+
+def slot_plan(selected: torch.Tensor, token: torch.Tensor, score: torch.Tensor, chosen: torch.Tensor, policy: str,
+              step: int, slow_rows: int, mass: torch.Tensor | None = None, overflow: torch.Tensor | None = None,
+              prefetched_tokens: torch.Tensor | None = None, ahead: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``SlotTier.select_device``'s bookkeeping in two launches (see the module's docstring). ``selected [rows, k]``
+    (int64, distinct per row), the slots' ``token [rows, S]`` (int64, -1: empty), ``score [rows, S]`` (float32)
+    and ``chosen [rows, S]`` (bool), contiguous, updated in place; ``mass [rows, k]`` (the ``attention``
+    policy's masses), ``overflow`` (0-dim bool), ``prefetched_tokens [rows, e]`` and ``ahead [rows, a]`` or
+    None. Returns ``(slot [rows, k] int64, plan [rows·k + 2 + a] int64, dest [rows·k] int64)``: the plan holds
+    the misses' sources row-major in its first entries, then their count, the overflow flag (-1 without one)
+    and ``ahead``; ``dest`` their flat slot rows (``row · S + slot``), in the same order."""
+    rows, k = selected.shape
+    cap = token.shape[1]
+    device = token.device
+    if not (token.is_contiguous() and score.is_contiguous() and chosen.is_contiguous()):
+        raise ValueError("slot_plan updates the slots' token, score and chosen tensors in place: contiguous ones")
+    sel = selected.contiguous()
+    slot = torch.empty(rows, k, dtype=torch.long, device=device)
+    prio = torch.empty(rows, cap, dtype=torch.float32, device=device)
+    order = torch.empty(rows, cap, dtype=torch.int32, device=device)
+    src = torch.empty(rows, k, dtype=torch.long, device=device)
+    dst = torch.empty(rows, k, dtype=torch.long, device=device)
+    count = torch.empty(rows, dtype=torch.long, device=device)
+    e = prefetched_tokens.shape[1] if prefetched_tokens is not None else 0
+    n_ahead = ahead.numel() if ahead is not None else 0
+    plan = torch.empty(rows * k + 2 + n_ahead, dtype=torch.long, device=device)
+    dest = torch.empty(rows * k, dtype=torch.long, device=device)
+    has_mass = policy == "attention" and mass is not None
+    with counting.kernel_launch("lrqk_slot_plan"):
+        _slot_plan_rows[(rows,)](
+            sel, token, score, chosen.view(torch.int8), mass.float().contiguous() if has_mass else score,
+            prefetched_tokens.contiguous() if e else sel, prio, order, slot, src, dst, count,
+            k, cap, e, slow_rows, float(step),
+            POLICY=_POLICY_CODE[policy], HAS_MASS=has_mass, HAS_PF=e > 0,
+            BLOCK_K=_pow2(k), BLOCK_C=_pow2(cap), TILE=_TILE, num_warps=4 if max(k, cap) <= 1024 else 8)
+    with counting.kernel_launch("lrqk_pack_plan"):
+        _pack_plan[(rows,)](
+            src, dst, count, overflow if overflow is not None else count,
+            ahead.reshape(-1).contiguous() if n_ahead else count, plan, dest, rows, k, n_ahead,
+            HAS_OVF=overflow is not None, BLOCK_R=_pow2(rows, 2), BLOCK_K=_pow2(k), BLOCK_A=_pow2(n_ahead, 2))
+    return slot, plan, dest
