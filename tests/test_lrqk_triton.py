@@ -473,6 +473,38 @@ def test_slot_plan_kernel_equals_the_tensor_ops(policy, prefetch, ahead, overflo
     assert seen["missed"] and seen["resident"] and (seen["prefetched"] > 0) == prefetch, seen
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("big", [False, True])
+def test_fill_kernel_equals_the_tensor_ops(slot_dtype, big):
+    """`kernels.lrqk_slots.fill_slots` (one launch) against `deferred_to_storage` and two ``index_copy_``: float32
+    rows (ties halfway between two 16-bit values, subnormals, NaN, inf) rounded into their slots as ``.to``
+    rounds them, and a value beyond float16's range, narrowing to float16, raising the overflow flag."""
+    from kvshrink.kernels.counting import OpCounter
+    from kvshrink.kernels.lrqk_slots import fill_slots
+    from kvshrink.methods.lrqk_tiers import deferred_to_storage
+
+    g = torch.Generator().manual_seed(7)
+    fill = torch.randn(5, 2, 24, generator=g) * 100
+    fill[0, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 3e-8])
+    if slot_dtype != torch.float16:   # (a NaN hides an overflow from the tensor ops' maximum: not mixed)
+        fill[0, 1, :2] = torch.tensor([float("nan"), float("inf")])
+    fill[1, 1, 0] = 70000.0 if big else 60000.0
+    dest = torch.tensor([3, 0, 7, 5, 6])
+    want_k, want_v = (torch.zeros(2, 4, 24, dtype=slot_dtype) for _ in range(2))
+    want_flag = torch.zeros((), dtype=torch.bool)
+    rows = deferred_to_storage(fill, slot_dtype, want_flag)
+    want_k.view(-1, 24).index_copy_(0, dest, rows[:, 0])
+    want_v.view(-1, 24).index_copy_(0, dest, rows[:, 1])
+    keys, values = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    flag = torch.zeros((), dtype=torch.bool)
+    with force_gpu_path(), OpCounter() as counter:
+        fill_slots(fill, dest, keys, values, flag)
+    assert counter.launches == 1, (counter.launch_ops, counter.kernels)
+    torch.testing.assert_close(keys, want_k, rtol=0, atol=0, equal_nan=True)     # the same roundings
+    torch.testing.assert_close(values, want_v, rtol=0, atol=0, equal_nan=True)
+    assert bool(flag) == bool(want_flag) == (big and slot_dtype == torch.float16)
+
+
 _COMPILE_SCRIPT = r"""
 import importlib.util, os, sys, types
 import triton
@@ -522,6 +554,14 @@ kernels = [
       "DEST": "*i64", "rows": I, "k": I, "n_ahead": I,
       **{n: "constexpr" for n in ("HAS_OVF", "BLOCK_R", "BLOCK_K", "BLOCK_A")}},
      {"HAS_OVF": True, "BLOCK_R": 64, "BLOCK_K": 2048, "BLOCK_A": 256}),
+    (lrqk_slots._fill_rows,
+     {"FILL": P, "DEST": "*i64", "KEYS": "*i16", "VALUES": "*i16", "OVF": "*i8", "d": I,
+      **{n: "constexpr" for n in ("CHECK", "BF16", "BLOCK_D")}},
+     {"CHECK": False, "BF16": True, "BLOCK_D": 128}),
+    (lrqk_slots._fill_rows,
+     {"FILL": P, "DEST": "*i64", "KEYS": "*fp16", "VALUES": "*fp16", "OVF": "*i8", "d": I,
+      **{n: "constexpr" for n in ("CHECK", "BF16", "BLOCK_D")}},
+     {"CHECK": True, "BF16": False, "BLOCK_D": 128}),
 ]
 for fn, sig, consts in kernels:
     sig = {n: sig[n] for n in fn.arg_names}         # in the kernel's parameter order

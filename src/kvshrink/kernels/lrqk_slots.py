@@ -30,10 +30,11 @@ from kvshrink.kernels.backend import triton as _load_triton
 triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
 import triton.language as tl  # noqa: E402
 
-__all__ = ["slot_plan"]
+__all__ = ["slot_plan", "fill_slots"]
 
 _POLICY_CODE = {"set": 0, "lru": 1, "attention": 2}
 _TILE = 16     # tokens compared (or priorities ranked) per loop iteration
+_FP16_MAX = tl.constexpr(65504.0)
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -180,3 +181,52 @@ def slot_plan(selected: torch.Tensor, token: torch.Tensor, score: torch.Tensor, 
             ahead.reshape(-1).contiguous() if n_ahead else count, plan, dest, rows, k, n_ahead,
             HAS_OVF=overflow is not None, BLOCK_R=_pow2(rows, 2), BLOCK_K=_pow2(k), BLOCK_A=_pow2(n_ahead, 2))
     return slot, plan, dest
+
+
+@triton.jit
+def _bf16_bits(x):
+    """bfloat16 bits (int16) of ``x``, rounded to nearest even as ``torch``'s ``.to(bfloat16)`` (NaN: 0x7FC0),
+    in integer arithmetic: Triton's interpreter truncates some values when it converts."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
+def _stored(x, dtype: tl.constexpr, BF16: tl.constexpr):
+    if BF16:
+        return _bf16_bits(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def _fill_rows(FILL, DEST, KEYS, VALUES, OVF, d, CHECK: tl.constexpr, BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.arange(0, BLOCK_D)
+    ok = c < d
+    at = tl.load(DEST + i)
+    k = tl.load(FILL + i * 2 * d + c, mask=ok, other=0.0)
+    v = tl.load(FILL + i * 2 * d + d + c, mask=ok, other=0.0)
+    if CHECK:   # beyond float16's range: or-ed into the flag the next miss transfer brings to the host
+        top = tl.max(tl.maximum(tl.abs(k.to(tl.float32)), tl.abs(v.to(tl.float32))), axis=0)
+        tl.store(OVF, tl.full([], 1, tl.int8), mask=top > _FP16_MAX)
+    tl.store(KEYS + at * d + c, _stored(k, KEYS.dtype.element_ty, BF16), mask=ok)
+    tl.store(VALUES + at * d + c, _stored(v, VALUES.dtype.element_ty, BF16), mask=ok)
+
+
+def fill_slots(fill: torch.Tensor, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               overflow: torch.Tensor) -> None:
+    """The missing rows ``fill [m, 2, d]`` (key, value; any float dtype) stored into flat slot rows ``dest [m]`` of
+    ``keys``/``values [rows, S, d]`` (contiguous), converted to their dtype, in one launch; narrowing to float16,
+    a value beyond its range sets ``overflow`` (0-dim bool; `lrqk_tiers.deferred_to_storage` and two
+    ``index_copy_`` in tensor ops)."""
+    m, _, d = fill.shape
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("fill_slots writes the slots' keys and values in place: contiguous ones")
+    check = keys.dtype == torch.float16 and fill.dtype != torch.float16
+    bf16 = keys.dtype == torch.bfloat16 and fill.dtype != torch.bfloat16   # written as rounded bits
+    if bf16:
+        keys, values = keys.view(torch.int16), values.view(torch.int16)
+    with counting.kernel_launch("lrqk_fill_slots"):
+        _fill_rows[(m,)](fill.contiguous(), dest, keys, values, overflow.view(torch.int8), d, CHECK=check,
+                         BF16=bf16, BLOCK_D=_pow2(d))

@@ -556,10 +556,16 @@ class SlotTier:
                 extra = (torch.from_numpy(from_pf), prefetched[1].index_select(0, torch.from_numpy(-1 - codes[from_pf])))
             fill = slow.gather_to(torch.from_numpy(codes), device, extra)
             moved = (m - hits) * 2 * slow.head_dim * fill.element_size()
-            fill = deferred_to_storage(fill, self.keys.dtype, overflow)
-            into = dest[:m]
-            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, into, fill[:, 0])
-            self.values.view(-1, self.values.shape[-1]).index_copy_(0, into, fill[:, 1])
+            if overflow is not None and self._plan_kernel_runs() and self.keys.is_contiguous() \
+                    and self.values.is_contiguous():
+                from kvshrink.kernels.lrqk_slots import fill_slots
+
+                fill_slots(fill, dest[:m], self.keys, self.values, overflow)
+            else:
+                fill = deferred_to_storage(fill, self.keys.dtype, overflow)
+                into = dest[:m]
+                self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, into, fill[:, 0])
+                self.values.view(-1, self.values.shape[-1]).index_copy_(0, into, fill[:, 1])
         flag = bool(host[n + 1] > 0) if overflow is not None else None
         ahead_host = torch.from_numpy(host[n + 2:]).reshape(ahead.shape) if ahead is not None and ahead.numel() else None
         return FillReport(selected=n, missed=m, bytes_moved=moved, prefetch_hits=hits), slot, flag, ahead_host
