@@ -505,6 +505,42 @@ def test_fill_kernel_equals_the_tensor_ops(slot_dtype, big):
     assert bool(flag) == bool(want_flag) == (big and slot_dtype == torch.float16)
 
 
+@pytest.mark.parametrize("model_dtype,slot_dtype,factor_dtype", [
+    (torch.float32, torch.float16, torch.float16), (torch.float32, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.float16), (torch.float32, torch.float32, torch.float32)])
+@pytest.mark.parametrize("big", [None, "key", "factor"])
+def test_commit_kernel_equals_the_tensor_ops(model_dtype, slot_dtype, factor_dtype, big):
+    """`kernels.lrqk_slots.commit_token` (one launch) against what `LRQKLayer._commit_torch` does on the GPU path:
+    the window shifted by one with the new token last and the key factors appended, rounded as ``.to`` rounds;
+    a key or factor beyond float16's range, narrowing to float16, raising the overflow flag."""
+    from kvshrink.kernels.counting import OpCounter
+    from kvshrink.kernels.lrqk_slots import commit_token
+
+    g = torch.Generator().manual_seed(11)
+    b, h, w, d, f, cap, r, a_len = 2, 3, 5, 24, 6, 9, 12, 4
+    key, value = (torch.randn(b, h, 1, d, generator=g).mul(50).to(model_dtype) for _ in range(2))
+    k_hat = torch.randn(b, f, r, generator=g, dtype=torch.float64) * 30
+    k_hat[0, 0, :2] = torch.tensor([1 + 2 ** -11 + 2 ** -40, 1 + 3 * 2 ** -9])   # ties for float16 and bfloat16
+    if big == "key":
+        key[1, 2, 0, 3] = 70000.0
+    if big == "factor":
+        k_hat[1, 4, 5] = -80000.0
+    win_k, win_v = (torch.randn(b, h, w, d, generator=g).to(slot_dtype) for _ in range(2))
+    a_k = torch.randn(b, f, cap, r, generator=g).to(factor_dtype)
+    want_k = torch.cat([win_k[:, :, 1:], key.to(slot_dtype)], 2)
+    want_v = torch.cat([win_v[:, :, 1:], value.to(slot_dtype)], 2)
+    want_a = a_k.clone()
+    want_a[:, :, a_len] = k_hat.to(factor_dtype)
+    overflow = torch.zeros((), dtype=torch.bool)
+    with force_gpu_path(), OpCounter() as counter:
+        commit_token(key, value, k_hat, win_k, win_v, a_k, a_len, overflow)
+    assert counter.launches == 1, (counter.launch_ops, counter.kernels)
+    assert torch.equal(win_k, want_k) and torch.equal(win_v, want_v) and torch.equal(a_k, want_a)
+    narrowed = (big == "key" and slot_dtype == torch.float16 and model_dtype != torch.float16) or \
+        (big == "factor" and factor_dtype == torch.float16)
+    assert bool(overflow) == narrowed
+
+
 _COMPILE_SCRIPT = r"""
 import importlib.util, os, sys, types
 import triton
@@ -562,6 +598,13 @@ kernels = [
      {"FILL": P, "DEST": "*i64", "KEYS": "*fp16", "VALUES": "*fp16", "OVF": "*i8", "d": I,
       **{n: "constexpr" for n in ("CHECK", "BF16", "BLOCK_D")}},
      {"CHECK": True, "BF16": False, "BLOCK_D": 128}),
+    (lrqk_slots._commit_rows,
+     {"KEY": P, "VALUE": P, "KHAT": "*fp64", "WK": "*i16", "WV": "*i16", "AK": "*fp16", "OVF": "*i8",
+      **{n: I for n in ("win_rows", "heads", "W", "d", "r", "a_cap", "a_len", "key_b", "key_h", "value_b",
+                        "value_h")},
+      **{n: "constexpr" for n in ("CHECK_KV", "CHECK_A", "WIN_BF16", "A_BF16", "BLOCK_W", "BLOCK_D", "BLOCK_R")}},
+     {"CHECK_KV": False, "CHECK_A": True, "WIN_BF16": True, "A_BF16": False, "BLOCK_W": 64, "BLOCK_D": 128,
+      "BLOCK_R": 32}),
 ]
 for fn, sig, consts in kernels:
     sig = {n: sig[n] for n in fn.arg_names}         # in the kernel's parameter order

@@ -1,5 +1,7 @@
-"""LRQK's slot bookkeeping on the GPU path in two Triton launches: which selected tokens miss, the slot each
-takes, the policy state, and the packed miss plan that is the step's one copy to the host.
+"""LRQK's bookkeeping on the GPU path in Triton: the slot plan (two launches: which selected tokens miss, the
+slot each takes, the policy state, and the packed miss plan that is the step's one copy to the host), the fill
+of the missing rows after that copy (one launch), and the decode step's commit (one launch: the window shifted
+and the key factors appended, checked for float16's range).
 
 ``slot_plan`` does what ``SlotTier.select_device``'s tensor ops did (about 50 launches per layer and step; that
 torch version stays, ``select_device(..., kernel=False)``, as the oracle of the tests). Per row (one KV head of
@@ -30,7 +32,7 @@ from kvshrink.kernels.backend import triton as _load_triton
 triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
 import triton.language as tl  # noqa: E402
 
-__all__ = ["slot_plan", "fill_slots"]
+__all__ = ["slot_plan", "fill_slots", "commit_token"]
 
 _POLICY_CODE = {"set": 0, "lru": 1, "attention": 2}
 _TILE = 16     # tokens compared (or priorities ranked) per loop iteration
@@ -230,3 +232,62 @@ def fill_slots(fill: torch.Tensor, dest: torch.Tensor, keys: torch.Tensor, value
     with counting.kernel_launch("lrqk_fill_slots"):
         _fill_rows[(m,)](fill.contiguous(), dest, keys, values, overflow.view(torch.int8), d, CHECK=check,
                          BF16=bf16, BLOCK_D=_pow2(d))
+
+
+@triton.jit
+def _commit_rows(KEY, VALUE, KHAT, WK, WV, AK, OVF, win_rows, heads, W, d, r, a_cap, a_len,
+                 key_b, key_h, value_b, value_h,
+                 CHECK_KV: tl.constexpr, CHECK_A: tl.constexpr, WIN_BF16: tl.constexpr, A_BF16: tl.constexpr,
+                 BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < win_rows:      # a window row (b, h): every token one place older, the new one last
+        b = pid // heads
+        h = pid % heads
+        w = tl.arange(0, BLOCK_W)
+        c = tl.arange(0, BLOCK_D)
+        stay = (w[:, None] < W - 1) & (c[None, :] < d)
+        base = pid * W * d
+        k_old = tl.load(WK + base + (w[:, None] + 1) * d + c[None, :], mask=stay)
+        v_old = tl.load(WV + base + (w[:, None] + 1) * d + c[None, :], mask=stay)
+        tl.debug_barrier()
+        tl.store(WK + base + w[:, None] * d + c[None, :], k_old, mask=stay)
+        tl.store(WV + base + w[:, None] * d + c[None, :], v_old, mask=stay)
+        k = tl.load(KEY + b * key_b + h * key_h + c, mask=c < d, other=0.0)
+        v = tl.load(VALUE + b * value_b + h * value_h + c, mask=c < d, other=0.0)
+        if CHECK_KV:
+            top = tl.max(tl.maximum(tl.abs(k.to(tl.float32)), tl.abs(v.to(tl.float32))), axis=0)
+            tl.store(OVF, tl.full([], 1, tl.int8), mask=top > _FP16_MAX)
+        tl.store(WK + base + (W - 1) * d + c, _stored(k, WK.dtype.element_ty, WIN_BF16), mask=c < d)
+        tl.store(WV + base + (W - 1) * d + c, _stored(v, WV.dtype.element_ty, WIN_BF16), mask=c < d)
+    else:                   # a factor row (b, f): the new token's key factors after the a_len held
+        i = pid - win_rows
+        j = tl.arange(0, BLOCK_R)
+        x = tl.load(KHAT + i * r + j, mask=j < r, other=0.0).to(tl.float32)   # as torch narrows float64
+        if CHECK_A:
+            tl.store(OVF, tl.full([], 1, tl.int8), mask=tl.max(tl.abs(x), axis=0) > _FP16_MAX)
+        tl.store(AK + (i * a_cap + a_len) * r + j, _stored(x, AK.dtype.element_ty, A_BF16), mask=j < r)
+
+
+def commit_token(key: torch.Tensor, value: torch.Tensor, k_hat: torch.Tensor, win_k: torch.Tensor,
+                 win_v: torch.Tensor, a_k: torch.Tensor, a_len: int, overflow: torch.Tensor) -> None:
+    """A decode step's token committed in one launch: the full window ``win_k/win_v [B, H, W, d]`` shifted by one
+    with ``key/value [B, H, 1, d]`` last, and ``k_hat [B, F, r]`` written as key factors ``a_k[:, :, a_len]``
+    (``a_k [B, F, capacity, r]``, ``a_len < capacity``), all in place and converted to the stored dtypes; a value
+    beyond float16's range where one narrows to it sets ``overflow`` (``LRQKLayer._defer_range_check``,
+    ``_update_window`` and ``_append_factors`` in tensor ops)."""
+    b, h, w, d = win_k.shape
+    f, cap, r = a_k.shape[1], a_k.shape[2], a_k.shape[3]
+    if not (win_k.is_contiguous() and win_v.is_contiguous() and a_k.is_contiguous() and a_len < cap):
+        raise ValueError("commit_token writes a full, contiguous window and factor buffer with room for a row")
+    check_kv = key.dtype != win_k.dtype and win_k.dtype == torch.float16
+    check_a = k_hat.dtype != a_k.dtype and a_k.dtype == torch.float16
+    win_bf16 = win_k.dtype == torch.bfloat16 and key.dtype != torch.bfloat16
+    a_bf16 = a_k.dtype == torch.bfloat16
+    wk, wv = (x.view(torch.int16) if win_bf16 else x for x in (win_k, win_v))
+    with counting.kernel_launch("lrqk_commit"):
+        _commit_rows[(b * h + b * f,)](
+            key, value, k_hat.contiguous(), wk, wv, a_k.view(torch.int16) if a_bf16 else a_k,
+            overflow.view(torch.int8), b * h, h, w, d, r, cap, a_len,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            CHECK_KV=check_kv, CHECK_A=check_a, WIN_BF16=win_bf16, A_BF16=a_bf16,
+            BLOCK_W=_pow2(w), BLOCK_D=_pow2(d), BLOCK_R=_pow2(r))

@@ -764,6 +764,14 @@ class LRQKLayer(CacheLayer):
 
     def _commit_torch(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext, gpu: bool) -> None:
         deferred = gpu and ctx.q_len == 1 and self.b_k is not None and getattr(self, "_overflow", None) is not None
+        if deferred and self._commit_kernel_runs(key):
+            from kvshrink.kernels.lrqk_slots import commit_token
+
+            commit_token(key, value, self._k_hat, self.win_k, self.win_v, self.a_k, self.a_len, self._overflow)
+            self.slow.append(key, value, non_blocking=True)
+            self.a_len += 1
+            self.gram_q = self.gram_k = None      # as _append_factors: prefill is over
+            return
         if deferred:     # range checked with the next miss transfer
             self._defer_range_check(key, value)
         refit = ctx.q_len > 1 or self.b_k is None
@@ -777,6 +785,16 @@ class LRQKLayer(CacheLayer):
             self._refit()
         else:
             self._append_factors(factors.unsqueeze(2))
+
+    def _commit_kernel_runs(self, key: torch.Tensor) -> bool:
+        """Whether the GPU path's decode step commits in one Triton launch (`kernels.lrqk_slots.commit_token`): a
+        full window and factor buffer with room, contiguous, on the key's device, and the slots' ``plan_kernel``
+        on (the tests switch it off for the tensor ops, their oracle)."""
+        win, a = self.win_k, self.a_k
+        return (self.slots.plan_kernel and triton_available() and self._k_hat is not None and self.window > 0
+                and win is not None and win.shape[2] == self.window and a is not None and self.a_len < a.shape[2]
+                and win.is_contiguous() and self.win_v.is_contiguous() and a.is_contiguous()
+                and win.device == key.device == a.device and key.shape[2] == 1)
 
     def _defer_range_check(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The GPU path's decode step: whether the new token's key or value (for a float16 window) or its key
