@@ -557,7 +557,7 @@ from kvshrink.kernels import lrqk_proxy as k
 from kvshrink.kernels import lrqk_factor
 from kvshrink.kernels import lrqk_slots
 P, I = "*fp32", "i32"
-proxy = {"q_ptr": P, "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, "R": I, "a_row_stride": I,
+proxy = {"q_ptr": "*fp64", "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, "R": I, "a_row_stride": I,
          "a_tok_stride": I, "scale": "fp32", "HAS_PAD": "constexpr", "BLOCK_G": "constexpr",
          "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
 kernels = [

@@ -225,7 +225,8 @@ def proxy_ranking(q_hat: torch.Tensor, a_k: torch.Tensor, candidates: int, scali
     extra launch."""
     kern = _get()
     rows, groups, rank = q_hat.shape
-    q_hat = q_hat.float().contiguous()
+    if not (q_hat.dtype in (torch.float32, torch.float64) and q_hat.is_contiguous()):
+        q_hat = q_hat.float().contiguous()   # (the kernels read float64 as float32, as `.float()` rounds it)
     if a_k.stride(-1) != 1:
         a_k = a_k.contiguous()
     bg, br = pow2(groups), pow2(rank)
