@@ -28,6 +28,7 @@ import torch
 
 from kvshrink.kernels import counting
 from kvshrink.kernels.backend import triton as _load_triton
+from kvshrink.kernels.lrqk_proxy import pow2 as _pow2
 
 triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
 import triton.language as tl  # noqa: E402
@@ -37,13 +38,6 @@ __all__ = ["slot_plan", "fill_slots", "commit_token"]
 _POLICY_CODE = {"set": 0, "lru": 1, "attention": 2}
 _TILE = 16     # tokens compared (or priorities ranked) per loop iteration
 _FP16_MAX = tl.constexpr(65504.0)
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    p = floor
-    while p < n:
-        p *= 2
-    return p
 
 
 @triton.jit
