@@ -770,7 +770,8 @@ class LRQKLayer(CacheLayer):
             commit_token(key, value, self._k_hat, self.win_k, self.win_v, self.a_k, self.a_len, self._overflow)
             self.slow.append(key, value, non_blocking=True)
             self.a_len += 1
-            self.gram_q = self.gram_k = None      # as _append_factors: prefill is over
+            if self.counters["decode_steps"] > 0:
+                self.gram_q = self.gram_k = None  # as _append_factors: prefill is over
             return
         if deferred:     # range checked with the next miss transfer
             self._defer_range_check(key, value)
