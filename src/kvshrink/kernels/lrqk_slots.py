@@ -3,14 +3,14 @@ slot each takes, the policy state, and the packed miss plan that is the step's o
 of the missing rows after that copy (one launch), and the decode step's commit (one launch: the window shifted
 and the key factors appended, checked for float16's range).
 
-``slot_plan`` does what ``SlotTier.select_device``'s tensor ops did (about 50 launches per layer and step; that
-torch version stays, ``select_device(..., kernel=False)``, as the oracle of the tests). Per row (one KV head of
-one batch row), one program:
+``slot_plan`` does what ``SlotTier.select_device``'s tensor ops did (about 50 launches per layer and step; they
+stay as ``SlotTier._plan_torch``, the oracle of the tests, taken when ``SlotTier.plan_kernel`` is off). Per row
+(one KV head of one batch row), one program:
 
 - ``current[j]``: the slot holding selected token ``j``, or -1 (it misses); ``stays[s]``: slot ``s`` holds a
   selected token. Found by comparing the selection with the slots' tokens a tile at a time (no dense
-  per-token map: ``k·capacity`` comparisons, a few hundred thousand, instead of two maps of the context's
-  length);
+  per-token map of the context's length: ``k·capacity`` comparisons, 4 M per row at top-k 2048; the ranks
+  below as many);
 - the eviction order: empty slots first, then by policy value, selected residents last, ties by slot
   (``argsort(stable=True)``), as each slot's rank among the row's priorities; the ``i``-th missing token (in
   selection order) takes the slot of rank ``i``;
