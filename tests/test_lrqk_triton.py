@@ -424,7 +424,7 @@ def test_token_order_keys_rank_as_the_tie_rule():
 @pytest.mark.parametrize("policy", ["set", "lru", "attention"])
 @pytest.mark.parametrize("prefetch,ahead,overflow", [(False, False, None), (True, True, True), (True, False, False)])
 def test_slot_plan_kernel_equals_the_tensor_ops(policy, prefetch, ahead, overflow):
-    """`kernels.lrqk_slots.slot_plan` (two launches) against `SlotTier._plan_torch` (the tensor ops it replaces) on
+    """`kernels.lrqk_slots.slot_plan` (one launch) against `SlotTier._plan_torch` (the tensor ops it replaces) on
     random slot states: empty slots, tied policy values, hits and misses, tokens found in last step's prefetched
     rows, the overflow flag and the tokens to prefetch riding on the plan; the slots' tokens, values and chosen
     flags updated alike."""
@@ -457,14 +457,18 @@ def test_slot_plan_kernel_equals_the_tensor_ops(policy, prefetch, ahead, overflo
         oracle = copy.deepcopy(tier)
         want = oracle._plan_torch(selected, slow, mass, flag, (pf, None) if prefetch else None, ahead_tokens)
         with force_gpu_path(), OpCounter() as counter:
-            slot, plan, dest = slot_plan(selected, tier.token, tier.score, tier.chosen, policy, tier.step, rows,
-                                         mass, flag, pf, ahead_tokens)
-        assert counter.launches == 2 and counter.syncs == 0, (counter.launch_ops, counter.kernels)
+            slot, plan, dest, rank, offset = slot_plan(selected, tier.token, tier.score, tier.chosen, policy,
+                                                       tier.step, rows, mass, flag, pf, ahead_tokens)
+        assert counter.launches == 1 and counter.syncs == 0, (counter.launch_ops, counter.kernels)
         n = rows * k
         m = int(want[1][n])
         assert torch.equal(slot, want[0]) and int(plan[n]) == m
         assert torch.equal(plan[:m], want[1][:m]) and torch.equal(dest[:m], want[2][:m])
         assert torch.equal(plan[n + 1:], want[1][n + 1:])       # the overflow flag (-1: none), then `ahead`
+        misses = rank >= 0                                      # each miss's place in the plan: where its slot is
+        assert int(misses.sum()) == m and torch.equal(offset, misses.sum(1).cumsum(0) - misses.sum(1))
+        row_of = torch.arange(rows)[:, None].expand(-1, k)
+        assert torch.equal(dest[(offset[:, None] + rank)[misses]], (row_of * cap + slot)[misses])
         assert torch.equal(tier.token, oracle.token) and torch.equal(tier.score, oracle.score)
         assert torch.equal(tier.chosen, oracle.chosen)
         seen["missed"] += m
@@ -473,36 +477,60 @@ def test_slot_plan_kernel_equals_the_tensor_ops(policy, prefetch, ahead, overflo
     assert seen["missed"] and seen["resident"] and (seen["prefetched"] > 0) == prefetch, seen
 
 
-@pytest.mark.parametrize("slot_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("big", [False, True])
-def test_fill_kernel_equals_the_tensor_ops(slot_dtype, big):
-    """`kernels.lrqk_slots.fill_slots` (one launch) against `deferred_to_storage` and two ``index_copy_``: float32
-    rows (ties halfway between two 16-bit values, subnormals, NaN, inf) rounded into their slots as ``.to``
-    rounds them, and a value beyond float16's range, narrowing to float16, raising the overflow flag."""
+@pytest.mark.parametrize("slot_dtype,fill_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("special", [None, "big", "nan"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_stores_the_fill_as_the_tensor_ops(slot_dtype, fill_dtype, special, splits):
+    """`gathered_attention` with a `SlotFill` (one launch) against `deferred_to_storage` and two ``index_copy_``
+    into the slots, then the oracle attention over them: the missing rows (ties halfway between two 16-bit values,
+    subnormals; NaN and inf where named) rounded into their slots as ``.to`` rounds them and attended as stored, the
+    held slots read as they are; a value beyond float16's range, narrowing to float16, raising the overflow flag."""
     from kvshrink.kernels.counting import OpCounter
-    from kvshrink.kernels.lrqk_slots import fill_slots
     from kvshrink.methods.lrqk_tiers import deferred_to_storage
 
-    g = torch.Generator().manual_seed(7)
-    fill = torch.randn(5, 2, 24, generator=g) * 100
+    if special == "nan" and slot_dtype == torch.float16:
+        pytest.skip("a NaN hides an overflow from the tensor ops' maximum: not mixed")
+    g = torch.Generator().manual_seed(7 + splits)
+    rows, cap, k, d, groups = 3, 10, 6, 24, 2
+    q = torch.randn(rows, groups, d, generator=g)
+    sk, sv = (torch.randn(rows, cap, d, generator=g).to(slot_dtype) for _ in range(2))
+    index = torch.stack([torch.randperm(cap, generator=g)[:k] for _ in range(rows)])
+    token = torch.randint(0, 100, (rows, k), generator=g)
+    missing = torch.rand(rows, k, generator=g) < 0.5
+    missing[:, 0] = True
+    rank = torch.where(missing, missing.long().cumsum(1) - 1, -1)
+    counts = missing.sum(1)
+    offset = counts.cumsum(0) - counts
+    dest = torch.cat([r * cap + index[r][missing[r]] for r in range(rows)])
+    m = dest.numel()
+    fill = torch.randn(m, 2, d, generator=g)
     fill[0, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 3e-8])
-    if slot_dtype != torch.float16:   # (a NaN hides an overflow from the tensor ops' maximum: not mixed)
-        fill[0, 1, :2] = torch.tensor([float("nan"), float("inf")])
-    fill[1, 1, 0] = 70000.0 if big else 60000.0
-    dest = torch.tensor([3, 0, 7, 5, 6])
-    want_k, want_v = (torch.zeros(2, 4, 24, dtype=slot_dtype) for _ in range(2))
+    odd = int(offset[1])          # row 1's first miss holds the special values
+    if special == "big":
+        fill[odd, 1, 0] = 70000.0
+    if special == "nan":
+        fill[odd, 1, :2] = torch.tensor([float("nan"), float("inf")])
+    fill = fill.to(fill_dtype)
+    want_k, want_v = sk.clone(), sv.clone()
     want_flag = torch.zeros((), dtype=torch.bool)
-    rows = deferred_to_storage(fill, slot_dtype, want_flag)
-    want_k.view(-1, 24).index_copy_(0, dest, rows[:, 0])
-    want_v.view(-1, 24).index_copy_(0, dest, rows[:, 1])
-    keys, values = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    stored = deferred_to_storage(fill, slot_dtype, want_flag)
+    want_k.view(-1, d).index_copy_(0, dest, stored[:, 0])
+    want_v.view(-1, d).index_copy_(0, dest, stored[:, 1])
+    tk, tv = (torch.randn(rows, 3, d, generator=g).to(slot_dtype) for _ in range(2))
+    nk, nv = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g)
+    want = lrqk_proxy.gathered_attention_torch(q, want_k, want_v, index, token, tk, tv, nk, nv, 100, d ** -0.5)
     flag = torch.zeros((), dtype=torch.bool)
     with force_gpu_path(), OpCounter() as counter:
-        fill_slots(fill, dest, keys, values, flag)
+        got = lrqk_proxy.gathered_attention(q, sk, sv, index, token, tk, tv, nk, nv, 100, d ** -0.5, block_n=16,
+                                            splits=splits, fill=lrqk_proxy.SlotFill(fill, rank, offset, flag))
     assert counter.launches == 1, (counter.launch_ops, counter.kernels)
-    torch.testing.assert_close(keys, want_k, rtol=0, atol=0, equal_nan=True)     # the same roundings
-    torch.testing.assert_close(values, want_v, rtol=0, atol=0, equal_nan=True)
-    assert bool(flag) == bool(want_flag) == (big and slot_dtype == torch.float16)
+    torch.testing.assert_close(sk, want_k, rtol=0, atol=0, equal_nan=True)     # the same roundings
+    torch.testing.assert_close(sv, want_v, rtol=0, atol=0, equal_nan=True)
+    assert bool(flag) == bool(want_flag) == (special == "big" and slot_dtype == torch.float16)
+    compared = [0, 2] if special else [0, 1, 2]     # (row 1 attends an inf or NaN value there)
+    torch.testing.assert_close(got[0][compared], want[0][compared], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1][compared], want[1][compared], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_dtype,slot_dtype,factor_dtype", [
@@ -511,7 +539,8 @@ def test_fill_kernel_equals_the_tensor_ops(slot_dtype, big):
 @pytest.mark.parametrize("big", [None, "key", "factor"])
 def test_commit_kernel_equals_the_tensor_ops(model_dtype, slot_dtype, factor_dtype, big):
     """`kernels.lrqk_slots.commit_token` (one launch) against what `LRQKLayer._commit_torch` does on the GPU path:
-    the window shifted by one with the new token last and the key factors appended, rounded as ``.to`` rounds;
+    the window shifted by one with the new token last and the key factors appended, rounded as ``.to`` rounds, the
+    token staged as the slow tier holds it;
     a key or factor beyond float16's range, narrowing to float16, raising the overflow flag."""
     from kvshrink.kernels.counting import OpCounter
     from kvshrink.kernels.lrqk_slots import commit_token
@@ -532,10 +561,12 @@ def test_commit_kernel_equals_the_tensor_ops(model_dtype, slot_dtype, factor_dty
     want_a = a_k.clone()
     want_a[:, :, a_len] = k_hat.to(factor_dtype)
     overflow = torch.zeros((), dtype=torch.bool)
+    stage = torch.full((1, b * h, 2, d), float("nan"), dtype=model_dtype)
     with force_gpu_path(), OpCounter() as counter:
-        commit_token(key, value, k_hat, win_k, win_v, a_k, a_len, overflow)
+        commit_token(key, value, k_hat, win_k, win_v, a_k, a_len, overflow, stage=stage)
     assert counter.launches == 1, (counter.launch_ops, counter.kernels)
     assert torch.equal(win_k, want_k) and torch.equal(win_v, want_v) and torch.equal(a_k, want_a)
+    assert torch.equal(stage, torch.stack([key, value], 2).reshape(1, b * h, 2, d))   # as SlowTier.append lays it
     narrowed = (big == "key" and slot_dtype == torch.float16 and model_dtype != torch.float16) or \
         (big == "factor" and factor_dtype == torch.float16)
     assert bool(overflow) == narrowed
@@ -561,50 +592,44 @@ proxy = {"q_ptr": "*fp64", "a_ptr": "*fp16", "pad_ptr": "*i64", "n": I, "G": I, 
          "a_tok_stride": I, "scale": "fp32", "HAS_PAD": "constexpr", "BLOCK_G": "constexpr",
          "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
 kernels = [
-    (k._proxy_stats, {**proxy, "m_ptr": P, "l_ptr": P, "n_blocks": I}, {"BLOCK_R": 32, "BLOCK_N": 64}),
+    (k._proxy_stats, {**proxy, "m_ptr": P, "l_ptr": P, "lse_ptr": P, "arrived_ptr": "*i32", "n_blocks": I,
+                      "BLOCK_B": "constexpr"}, {"BLOCK_R": 32, "BLOCK_N": 64, "BLOCK_B": 32}),
     (k._proxy_mass_kernel, {**proxy, "lse_ptr": P, "mass_ptr": P, "key_ptr": "*i64", "COPIES": "constexpr"},
      {"BLOCK_R": 32, "BLOCK_N": 64, "COPIES": 2}),
-    (k._proxy_lse, {"m_ptr": P, "l_ptr": P, "lse_ptr": P, "n_blocks": I, "BLOCK_G": "constexpr",
-                    "BLOCK_B": "constexpr"}, {"BLOCK_B": 32}),
-    (k._gathered_attention_kernel,
-     {**{n: "*bf16" for n in ("q_ptr", "sk_ptr", "sv_ptr", "tk_ptr", "tv_ptr", "nk_ptr", "nv_ptr")},
-      "sidx_ptr": "*i64", "stok_ptr": "*i64", "pad_ptr": "*i64", "out_ptr": P, "lse_ptr": P, "acc_ptr": P,
-      "ml_ptr": P, **{n: I for n in ("G", "D", "S", "n_sel", "n_tail", "tail_start", "split_len")},
-      "scale": "fp32", "HAS_PAD": "constexpr", "SPLIT": "constexpr", "BLOCK_G": "constexpr",
-      "BLOCK_D": "constexpr", "BLOCK_N": "constexpr"},
-     {"BLOCK_D": 128, "BLOCK_N": 32, "SPLIT": True}),
+    *[(k._gathered_attention_kernel,
+       {**{n: "*bf16" for n in ("q_ptr", "tk_ptr", "tv_ptr", "nk_ptr", "nv_ptr")}, "sk_ptr": slots, "sv_ptr": slots,
+        "sidx_ptr": "*i64", "stok_ptr": "*i64", "pad_ptr": "*i64", "fill_ptr": fill, "rank_ptr": "*i64",
+        "foff_ptr": "*i64", "ovf_ptr": "*i8", "out_ptr": P, "lse_ptr": P, "acc_ptr": P, "ml_ptr": P,
+        "arrived_ptr": "*i32", **{n: I for n in ("G", "D", "S", "n_sel", "n_tail", "tail_start", "split_len",
+                                                 "n_splits")},
+        "scale": "fp32", **{n: "constexpr" for n in ("HAS_PAD", "HAS_FILL", "CHECK", "BF16", "SPLIT", "BLOCK_G",
+                                                     "BLOCK_D", "BLOCK_N")}},
+       {"BLOCK_D": 128, "BLOCK_N": 32, "SPLIT": True, "HAS_FILL": True, "CHECK": slots == "*fp16",
+        "BF16": slots == "*i16"})
+      for slots, fill in (("*i16", P), ("*fp16", P), ("*bf16", "*bf16"))],
     (lrqk_factor._factor_step_kernel,
-     {**{n: P for n in ("q_ptr", "k_ptr", "bq_ptr", "bk_ptr")}, "a_ptr": "*fp16", "tok_ptr": "*i64",
+     {**{n: P for n in ("bq_ptr", "bk_ptr")}, "q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*fp16", "tok_ptr": "*i64",
       "chosen_ptr": "*u8", "sk_ptr": "*bf16", "wk_ptr": "*bf16", "qh_ptr": "*fp64", "kh_ptr": "*fp64",
       **{n: I for n in ("G", "D", "R", "S", "W", "win_start", "copies", "a_head_stride", "a_row_stride")},
       "lam": "fp32", **{n: "constexpr" for n in ("ITERS", "UPDATE", "GP", "DP", "RP", "BLOCK_T")}},
      {"ITERS": 2, "UPDATE": True, "GP": 16, "DP": 128, "RP": 32, "BLOCK_T": 32}),
     (lrqk_slots._slot_plan_rows,
      {"SEL": "*i64", "TOK": "*i64", "SCORE": P, "CHOSEN": "*i8", "MASS": P, "PF": "*i64", "PRIO": P,
-      "ORDER": "*i32", "SLOT": "*i64", "SRC": "*i64", "DST": "*i64", "COUNT": "*i64",
-      **{n: I for n in ("k", "cap", "e", "slow_rows")}, "step": "fp32",
-      **{n: "constexpr" for n in ("POLICY", "HAS_MASS", "HAS_PF", "BLOCK_K", "BLOCK_C", "TILE")}},
-     {"POLICY": 2, "HAS_MASS": True, "HAS_PF": True, "BLOCK_K": 2048, "BLOCK_C": 4096, "TILE": 16}),
-    (lrqk_slots._pack_plan,
-     {"SRC": "*i64", "DST": "*i64", "COUNT": "*i64", "OVF": "*i1", "AHEAD": "*i64", "PLAN": "*i64",
-      "DEST": "*i64", "rows": I, "k": I, "n_ahead": I,
-      **{n: "constexpr" for n in ("HAS_OVF", "BLOCK_R", "BLOCK_K", "BLOCK_A")}},
-     {"HAS_OVF": True, "BLOCK_R": 64, "BLOCK_K": 2048, "BLOCK_A": 256}),
-    (lrqk_slots._fill_rows,
-     {"FILL": P, "DEST": "*i64", "KEYS": "*i16", "VALUES": "*i16", "OVF": "*i8", "d": I,
-      **{n: "constexpr" for n in ("CHECK", "BF16", "BLOCK_D")}},
-     {"CHECK": False, "BF16": True, "BLOCK_D": 128}),
-    (lrqk_slots._fill_rows,
-     {"FILL": P, "DEST": "*i64", "KEYS": "*fp16", "VALUES": "*fp16", "OVF": "*i8", "d": I,
-      **{n: "constexpr" for n in ("CHECK", "BF16", "BLOCK_D")}},
-     {"CHECK": True, "BF16": False, "BLOCK_D": 128}),
+      "ORDER": "*i32", "SLOT": "*i64", "SRC": "*i64", "DST": "*i64", "COUNT": "*i64", "RANK": "*i64", "OFFSET": "*i64", "OVF": "*i1",
+      "AHEAD": "*i64", "PLAN": "*i64", "DEST": "*i64", "ARRIVED": "*i32",
+      **{n: I for n in ("rows", "k", "cap", "e", "slow_rows", "n_ahead")}, "step": "fp32",
+      **{n: "constexpr" for n in ("POLICY", "HAS_MASS", "HAS_PF", "HAS_OVF", "BLOCK_K", "BLOCK_C", "TILE",
+                                  "BLOCK_A")}},
+     {"POLICY": 2, "HAS_MASS": True, "HAS_PF": True, "HAS_OVF": True, "BLOCK_K": 2048, "BLOCK_C": 4096,
+      "TILE": 16, "BLOCK_A": 256}),
     (lrqk_slots._commit_rows,
-     {"KEY": P, "VALUE": P, "KHAT": "*fp64", "WK": "*i16", "WV": "*i16", "AK": "*fp16", "OVF": "*i8",
+     {"KEY": P, "VALUE": P, "KHAT": "*fp64", "WK": "*i16", "WV": "*i16", "AK": "*fp16", "OVF": "*i8", "STAGE": P,
       **{n: I for n in ("win_rows", "heads", "W", "d", "r", "a_cap", "a_len", "key_b", "key_h", "value_b",
                         "value_h")},
-      **{n: "constexpr" for n in ("CHECK_KV", "CHECK_A", "WIN_BF16", "A_BF16", "BLOCK_W", "BLOCK_D", "BLOCK_R")}},
-     {"CHECK_KV": False, "CHECK_A": True, "WIN_BF16": True, "A_BF16": False, "BLOCK_W": 64, "BLOCK_D": 128,
-      "BLOCK_R": 32}),
+      **{n: "constexpr" for n in ("CHECK_KV", "CHECK_A", "WIN_BF16", "A_BF16", "HAS_STAGE", "BLOCK_W", "BLOCK_D",
+                                  "BLOCK_R")}},
+     {"CHECK_KV": False, "CHECK_A": True, "WIN_BF16": True, "A_BF16": False, "HAS_STAGE": True, "BLOCK_W": 64,
+      "BLOCK_D": 128, "BLOCK_R": 32}),
 ]
 for fn, sig, consts in kernels:
     sig = {n: sig[n] for n in fn.arg_names}         # in the kernel's parameter order

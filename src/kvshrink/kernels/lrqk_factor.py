@@ -130,8 +130,9 @@ def _factor_step_kernel(q_ptr, k_ptr, bq_ptr, bk_ptr, a_ptr, tok_ptr, chosen_ptr
     dd = tl.arange(0, DP)
     rr = tl.arange(0, RP)
     gm, dm, rm = g < G, dd < D, rr < R
-    q = tl.load(q_ptr + (n * G + g[:, None]) * D + dd[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
-    k = tl.load(k_ptr + n * D + dd, mask=dm, other=0.0)
+    q = tl.load(q_ptr + (n * G + g[:, None]) * D + dd[None, :], mask=gm[:, None] & dm[None, :],
+                other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + n * D + dd, mask=dm, other=0.0).to(tl.float32)
     a_head = a_ptr + n * a_head_stride
     # resident sums over the slots chosen last step and the window (float32, as the torch path's products)
     lhs_res = tl.zeros((RP, RP), tl.float32)
@@ -183,6 +184,9 @@ def _factor_step_kernel(q_ptr, k_ptr, bq_ptr, bk_ptr, a_ptr, tok_ptr, chosen_ptr
         tl.store(bk_ptr + n * R * D + basis, _line_search(bk, kh_rows, k_rows).to(tl.float32), mask=bmask)
 
 
+_READ_AS_FLOAT = (torch.float32, torch.bfloat16, torch.float16)   # (exactly, as ``.float()`` would)
+
+
 def factor_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor, factors: torch.Tensor,
                 slot_token: torch.Tensor, slot_chosen: torch.Tensor, slot_keys: torch.Tensor,
                 window_keys: torch.Tensor, window_start: int, copies: int, lam: float, update_bases: bool,
@@ -190,7 +194,7 @@ def factor_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: 
     """``lowrank_fused.resident_decode_step`` in one launch: ``(q̂ [N, G, r], k̂ [N, r])`` float64; the float32
     contiguous bases ``b_q``/``b_k`` ``[N, r, d]`` take the line-search step in place when ``update_bases``.
 
-    ``query [N, G, d]``, ``key [N, d]`` (float32); ``factors [N, T, r]`` (any float dtype, last dim contiguous):
+    ``query [N, G, d]``, ``key [N, d]`` (float32, or the model's 16-bit dtype: read as float32); ``factors [N, T, r]`` (any float dtype, last dim contiguous):
     every token's key factors per factor head; the resident tokens are the slots ``slot_chosen [R, S]`` marks
     (tokens ``slot_token [R, S]``, keys ``slot_keys [R, S, d]``) and the window (keys ``window_keys [R, W, d]``,
     factor rows ``window_start ..``); factor head ``n`` reads KV row ``n // copies``."""
@@ -208,7 +212,7 @@ def factor_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: 
     s, w = slot_token.shape[1], window_keys.shape[1]
     with counting.kernel_launch("lrqk_factor_step"):
         _factor_step_kernel[(n,)](
-            query.float().contiguous(), key.float().contiguous(), b_q, b_k, factors, slot_token.contiguous(),
+            *(x.contiguous() if x.dtype in _READ_AS_FLOAT else x.float().contiguous() for x in (query, key)), b_q, b_k, factors, slot_token.contiguous(),
             slot_chosen.contiguous().view(torch.uint8), slot_keys.contiguous(), window_keys.contiguous(),
             q_hat, k_hat, g, d, r, s, w, int(window_start), int(copies), factors.stride(0), factors.stride(1),
             float(lam), ITERS=int(iters), UPDATE=bool(update_bases), GP=pow2(g), DP=pow2(d), RP=pow2(r),

@@ -1,7 +1,8 @@
-"""LRQK's bookkeeping on the GPU path in Triton: the slot plan (two launches: which selected tokens miss, the
-slot each takes, the policy state, and the packed miss plan that is the step's one copy to the host), the fill
-of the missing rows after that copy (one launch), and the decode step's commit (one launch: the window shifted
-and the key factors appended, checked for float16's range).
+"""LRQK's bookkeeping on the GPU path in Triton: the slot plan (one launch: which selected tokens miss, the
+slot each takes, the policy state, and the packed miss plan that is the step's one copy to the host), and the
+decode step's commit (one launch: the window shifted and the key factors appended, checked for float16's range,
+the token staged for the slow tier). The missing rows, once on the device, are stored into their slots by the
+attention that reads them (`lrqk_proxy.gathered_attention`'s ``fill``).
 
 ``slot_plan`` does what ``SlotTier.select_device``'s tensor ops did (about 50 launches per layer and step; they
 stay as ``SlotTier._plan_torch``, the oracle of the tests, taken when ``SlotTier.plan_kernel`` is off). Per row
@@ -18,8 +19,8 @@ stay as ``SlotTier._plan_torch``, the oracle of the tests, taken when ``SlotTier
 - the row's missing tokens' sources (a slow-tier row, or ``-1 - position`` in last step's prefetched rows)
   and destinations, and their count.
 
-A second launch packs the rows' misses row-major into the plan (each row's offset the sum of the counts
-before it), with the total, the overflow flag and the tokens to prefetch after them.
+The last row program to finish (`kernels.tickets`) packs the rows' misses row-major into the plan (each row's
+offset the sum of the counts before it), with the total, the overflow flag and the tokens to prefetch after them.
 """
 
 from __future__ import annotations
@@ -28,23 +29,24 @@ import torch
 
 from kvshrink.kernels import counting
 from kvshrink.kernels.backend import triton as _load_triton
+from kvshrink.kernels.lrqk_proxy import _FP16_MAX, _stored
 from kvshrink.kernels.lrqk_proxy import pow2 as _pow2
+from kvshrink.kernels.tickets import counters, last_to_arrive
 
 triton = _load_triton()   # ImportError naming the extra when Triton is missing; the interpreter set up first
 import triton.language as tl  # noqa: E402
 
-__all__ = ["slot_plan", "fill_slots", "commit_token"]
+__all__ = ["slot_plan", "commit_token"]
 
 _POLICY_CODE = {"set": 0, "lru": 1, "attention": 2}
 _TILE = 16     # tokens compared (or priorities ranked) per loop iteration
-_FP16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
-def _slot_plan_rows(SEL, TOK, SCORE, CHOSEN, MASS, PF, PRIO, ORDER, SLOT, SRC, DST, COUNT,
-                    k, cap, e, slow_rows, step,
-                    POLICY: tl.constexpr, HAS_MASS: tl.constexpr, HAS_PF: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, TILE: tl.constexpr):
+def _slot_plan_rows(SEL, TOK, SCORE, CHOSEN, MASS, PF, PRIO, ORDER, SLOT, SRC, DST, COUNT, RANK, OFFSET,
+                    OVF, AHEAD, PLAN, DEST, ARRIVED, rows, k, cap, e, slow_rows, step, n_ahead,
+                    POLICY: tl.constexpr, HAS_MASS: tl.constexpr, HAS_PF: tl.constexpr, HAS_OVF: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, TILE: tl.constexpr, BLOCK_A: tl.constexpr):
     row = tl.program_id(0)
     j = tl.arange(0, BLOCK_K)
     j_ok = j < k
@@ -110,43 +112,50 @@ def _slot_plan_rows(SEL, TOK, SCORE, CHOSEN, MASS, PF, PRIO, ORDER, SLOT, SRC, D
         src = tl.where(found >= 0, -1 - (row * e + found), src)
     tl.store(SRC + row * k + nth, src, mask=missing)
     tl.store(DST + row * k + nth, row * cap + slot, mask=missing)
+    tl.store(RANK + row * k + j, tl.where(missing, nth, -1).to(tl.int64), mask=j_ok)
     tl.store(COUNT + row, tl.sum(missing.to(tl.int64), axis=0))
+    if last_to_arrive(ARRIVED, rows):
+        _pack_plan(SRC, DST, COUNT, OFFSET, OVF, AHEAD, PLAN, DEST, rows, k, n_ahead, HAS_OVF, BLOCK_K, BLOCK_A)
 
 
 @triton.jit
-def _pack_plan(SRC, DST, COUNT, OVF, AHEAD, PLAN, DEST, rows, k, n_ahead,
-               HAS_OVF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr):
-    row = tl.program_id(0)
-    r = tl.arange(0, BLOCK_R)
-    counts = tl.load(COUNT + r, mask=r < rows, other=0)
-    offset = tl.sum(tl.where(r < row, counts, 0), axis=0)
-    mine = tl.sum(tl.where(r == row, counts, 0), axis=0)
+def _pack_plan(SRC, DST, COUNT, OFFSET, OVF, AHEAD, PLAN, DEST, rows, k, n_ahead,
+               HAS_OVF: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr):
+    """The rows' misses packed row-major into the plan and ``DEST`` (each row's first place in ``OFFSET``), then
+    their total, the overflow flag (-1 without one) and the tokens to prefetch; by the last row program to finish
+    (the rows' entries read from L2)."""
     j = tl.arange(0, BLOCK_K)
-    ok = j < mine
+    offset = tl.zeros([], tl.int64)
+    for row in range(0, rows):
+        tl.store(OFFSET + row, offset)
+        mine = tl.load(COUNT + row, cache_modifier=".cg")
+        ok = j < mine
+        tl.store(PLAN + offset + j, tl.load(SRC + row * k + j, mask=ok, other=0, cache_modifier=".cg"), mask=ok)
+        tl.store(DEST + offset + j, tl.load(DST + row * k + j, mask=ok, other=0, cache_modifier=".cg"), mask=ok)
+        offset += mine
     n = rows * k
-    tl.store(PLAN + offset + j, tl.load(SRC + row * k + j, mask=ok, other=0), mask=ok)
-    tl.store(DEST + offset + j, tl.load(DST + row * k + j, mask=ok, other=0), mask=ok)
-    if row == 0:
-        tl.store(PLAN + n, tl.sum(counts, axis=0))
-        if HAS_OVF:
-            tl.store(PLAN + n + 1, tl.load(OVF).to(tl.int64))
-        else:
-            tl.store(PLAN + n + 1, -1)
-        a = tl.arange(0, BLOCK_A)
-        tl.store(PLAN + n + 2 + a, tl.load(AHEAD + a, mask=a < n_ahead, other=0), mask=a < n_ahead)
+    tl.store(PLAN + n, offset)
+    if HAS_OVF:
+        tl.store(PLAN + n + 1, tl.load(OVF).to(tl.int64))
+    else:
+        tl.store(PLAN + n + 1, -1)
+    a = tl.arange(0, BLOCK_A)
+    tl.store(PLAN + n + 2 + a, tl.load(AHEAD + a, mask=a < n_ahead, other=0), mask=a < n_ahead)
 
 
 def slot_plan(selected: torch.Tensor, token: torch.Tensor, score: torch.Tensor, chosen: torch.Tensor, policy: str,
               step: int, slow_rows: int, mass: torch.Tensor | None = None, overflow: torch.Tensor | None = None,
               prefetched_tokens: torch.Tensor | None = None, ahead: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``SlotTier.select_device``'s bookkeeping in two launches (see the module's docstring). ``selected [rows, k]``
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``SlotTier.select_device``'s bookkeeping in one launch (see the module's docstring). ``selected [rows, k]``
     (int64, distinct per row), the slots' ``token [rows, S]`` (int64, -1: empty), ``score [rows, S]`` (float32)
     and ``chosen [rows, S]`` (bool), contiguous, updated in place; ``mass [rows, k]`` (the ``attention``
     policy's masses), ``overflow`` (0-dim bool), ``prefetched_tokens [rows, e]`` and ``ahead [rows, a]`` or
-    None. Returns ``(slot [rows, k] int64, plan [rows·k + 2 + a] int64, dest [rows·k] int64)``: the plan holds
-    the misses' sources row-major in its first entries, then their count, the overflow flag (-1 without one)
-    and ``ahead``; ``dest`` their flat slot rows (``row · S + slot``), in the same order."""
+    None. Returns ``(slot [rows, k], plan [rows·k + 2 + a], dest [rows·k], rank [rows, k], offset [rows])``, int64:
+    the plan holds the misses' sources row-major in its first entries, then their count, the overflow flag (-1
+    without one) and ``ahead``; ``dest`` their flat slot rows (``row · S + slot``), in the same order; ``rank``
+    each selected token's place among its row's misses (-1: held) and ``offset`` each row's first place in the
+    plan (`lrqk_proxy.SlotFill`: the fill is stored into the slots by the attention that reads them)."""
     rows, k = selected.shape
     cap = token.shape[1]
     device = token.device
@@ -159,6 +168,8 @@ def slot_plan(selected: torch.Tensor, token: torch.Tensor, score: torch.Tensor, 
     src = torch.empty(rows, k, dtype=torch.long, device=device)
     dst = torch.empty(rows, k, dtype=torch.long, device=device)
     count = torch.empty(rows, dtype=torch.long, device=device)
+    rank = torch.empty(rows, k, dtype=torch.long, device=device)
+    offset = torch.empty(rows, dtype=torch.long, device=device)
     e = prefetched_tokens.shape[1] if prefetched_tokens is not None else 0
     n_ahead = ahead.numel() if ahead is not None else 0
     plan = torch.empty(rows * k + 2 + n_ahead, dtype=torch.long, device=device)
@@ -167,72 +178,20 @@ def slot_plan(selected: torch.Tensor, token: torch.Tensor, score: torch.Tensor, 
     with counting.kernel_launch("lrqk_slot_plan"):
         _slot_plan_rows[(rows,)](
             sel, token, score, chosen.view(torch.int8), mass.float().contiguous() if has_mass else score,
-            prefetched_tokens.contiguous() if e else sel, prio, order, slot, src, dst, count,
-            k, cap, e, slow_rows, float(step),
-            POLICY=_POLICY_CODE[policy], HAS_MASS=has_mass, HAS_PF=e > 0,
-            BLOCK_K=_pow2(k), BLOCK_C=_pow2(cap), TILE=_TILE, num_warps=4 if max(k, cap) <= 1024 else 8)
-    with counting.kernel_launch("lrqk_pack_plan"):
-        _pack_plan[(rows,)](
-            src, dst, count, overflow if overflow is not None else count,
-            ahead.reshape(-1).contiguous() if n_ahead else count, plan, dest, rows, k, n_ahead,
-            HAS_OVF=overflow is not None, BLOCK_R=_pow2(rows, 2), BLOCK_K=_pow2(k), BLOCK_A=_pow2(n_ahead, 2))
-    return slot, plan, dest
+            prefetched_tokens.contiguous() if e else sel, prio, order, slot, src, dst, count, rank, offset,
+            overflow if overflow is not None else count, ahead.reshape(-1).contiguous() if n_ahead else count,
+            plan, dest, counters(device, 1), rows, k, cap, e, slow_rows, float(step), n_ahead,
+            POLICY=_POLICY_CODE[policy], HAS_MASS=has_mass, HAS_PF=e > 0, HAS_OVF=overflow is not None,
+            BLOCK_K=_pow2(k), BLOCK_C=_pow2(cap), TILE=_TILE, BLOCK_A=_pow2(n_ahead, 2),
+            num_warps=4 if max(k, cap) <= 1024 else 8)
+    return slot, plan, dest, rank, offset
 
 
 @triton.jit
-def _bf16_bits(x):
-    """bfloat16 bits (int16) of ``x``, rounded to nearest even as ``torch``'s ``.to(bfloat16)`` (NaN: 0x7FC0),
-    in integer arithmetic: Triton's interpreter truncates some values when it converts."""
-    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-    return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
-
-
-@triton.jit
-def _stored(x, dtype: tl.constexpr, BF16: tl.constexpr):
-    if BF16:
-        return _bf16_bits(x)
-    return x.to(dtype)
-
-
-@triton.jit
-def _fill_rows(FILL, DEST, KEYS, VALUES, OVF, d, CHECK: tl.constexpr, BF16: tl.constexpr, BLOCK_D: tl.constexpr):
-    i = tl.program_id(0)
-    c = tl.arange(0, BLOCK_D)
-    ok = c < d
-    at = tl.load(DEST + i)
-    k = tl.load(FILL + i * 2 * d + c, mask=ok, other=0.0)
-    v = tl.load(FILL + i * 2 * d + d + c, mask=ok, other=0.0)
-    if CHECK:   # beyond float16's range: or-ed into the flag the next miss transfer brings to the host
-        top = tl.max(tl.maximum(tl.abs(k.to(tl.float32)), tl.abs(v.to(tl.float32))), axis=0)
-        tl.store(OVF, tl.full([], 1, tl.int8), mask=top > _FP16_MAX)
-    tl.store(KEYS + at * d + c, _stored(k, KEYS.dtype.element_ty, BF16), mask=ok)
-    tl.store(VALUES + at * d + c, _stored(v, VALUES.dtype.element_ty, BF16), mask=ok)
-
-
-def fill_slots(fill: torch.Tensor, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               overflow: torch.Tensor) -> None:
-    """The missing rows ``fill [m, 2, d]`` (key, value; any float dtype) stored into flat slot rows ``dest [m]`` of
-    ``keys``/``values [rows, S, d]`` (contiguous), converted to their dtype, in one launch; narrowing to float16,
-    a value beyond its range sets ``overflow`` (0-dim bool; `lrqk_tiers.deferred_to_storage` and two
-    ``index_copy_`` in tensor ops)."""
-    m, _, d = fill.shape
-    if not (keys.is_contiguous() and values.is_contiguous()):
-        raise ValueError("fill_slots writes the slots' keys and values in place: contiguous ones")
-    check = keys.dtype == torch.float16 and fill.dtype != torch.float16
-    bf16 = keys.dtype == torch.bfloat16 and fill.dtype != torch.bfloat16   # written as rounded bits
-    if bf16:
-        keys, values = keys.view(torch.int16), values.view(torch.int16)
-    with counting.kernel_launch("lrqk_fill_slots"):
-        _fill_rows[(m,)](fill.contiguous(), dest, keys, values, overflow.view(torch.int8), d, CHECK=check,
-                         BF16=bf16, BLOCK_D=_pow2(d))
-
-
-@triton.jit
-def _commit_rows(KEY, VALUE, KHAT, WK, WV, AK, OVF, win_rows, heads, W, d, r, a_cap, a_len,
+def _commit_rows(KEY, VALUE, KHAT, WK, WV, AK, OVF, STAGE, win_rows, heads, W, d, r, a_cap, a_len,
                  key_b, key_h, value_b, value_h,
                  CHECK_KV: tl.constexpr, CHECK_A: tl.constexpr, WIN_BF16: tl.constexpr, A_BF16: tl.constexpr,
-                 BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+                 HAS_STAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
     if pid < win_rows:      # a window row (b, h): every token one place older, the new one last
         b = pid // heads
@@ -248,6 +207,9 @@ def _commit_rows(KEY, VALUE, KHAT, WK, WV, AK, OVF, win_rows, heads, W, d, r, a_
         tl.store(WV + base + w[:, None] * d + c[None, :], v_old, mask=stay)
         k = tl.load(KEY + b * key_b + h * key_h + c, mask=c < d, other=0.0)
         v = tl.load(VALUE + b * value_b + h * value_h + c, mask=c < d, other=0.0)
+        if HAS_STAGE:   # the token as the slow tier holds it, [row, 2, d], for one copy to the host
+            tl.store(STAGE + pid * 2 * d + c, k, mask=c < d)
+            tl.store(STAGE + pid * 2 * d + d + c, v, mask=c < d)
         if CHECK_KV:
             top = tl.max(tl.maximum(tl.abs(k.to(tl.float32)), tl.abs(v.to(tl.float32))), axis=0)
             tl.store(OVF, tl.full([], 1, tl.int8), mask=top > _FP16_MAX)
@@ -263,12 +225,17 @@ def _commit_rows(KEY, VALUE, KHAT, WK, WV, AK, OVF, win_rows, heads, W, d, r, a_
 
 
 def commit_token(key: torch.Tensor, value: torch.Tensor, k_hat: torch.Tensor, win_k: torch.Tensor,
-                 win_v: torch.Tensor, a_k: torch.Tensor, a_len: int, overflow: torch.Tensor) -> None:
+                 win_v: torch.Tensor, a_k: torch.Tensor, a_len: int, overflow: torch.Tensor,
+                 stage: torch.Tensor | None = None) -> None:
     """A decode step's token committed in one launch: the full window ``win_k/win_v [B, H, W, d]`` shifted by one
     with ``key/value [B, H, 1, d]`` last, and ``k_hat [B, F, r]`` written as key factors ``a_k[:, :, a_len]``
     (``a_k [B, F, capacity, r]``, ``a_len < capacity``), all in place and converted to the stored dtypes; a value
     beyond float16's range where one narrows to it sets ``overflow`` (``LRQKLayer._defer_range_check``,
-    ``_update_window`` and ``_append_factors`` in tensor ops)."""
+    ``_update_window`` and ``_append_factors`` in tensor ops). ``stage [1, B·H, 2, d]`` (the key's dtype, contiguous)
+    or None: also takes the token as the slow tier holds it (`SlowTier.append_rows`)."""
+    if stage is not None and not (stage.is_contiguous() and stage.dtype == key.dtype
+                                  and stage.shape == (1, key.shape[0] * key.shape[1], 2, key.shape[-1])):
+        raise ValueError("commit_token stages the token as [1, B*H, 2, d] in the key's dtype, contiguous")
     b, h, w, d = win_k.shape
     f, cap, r = a_k.shape[1], a_k.shape[2], a_k.shape[3]
     if not (win_k.is_contiguous() and win_v.is_contiguous() and a_k.is_contiguous() and a_len < cap):
@@ -281,7 +248,7 @@ def commit_token(key: torch.Tensor, value: torch.Tensor, k_hat: torch.Tensor, wi
     with counting.kernel_launch("lrqk_commit"):
         _commit_rows[(b * h + b * f,)](
             key, value, k_hat.contiguous(), wk, wv, a_k.view(torch.int16) if a_bf16 else a_k,
-            overflow.view(torch.int8), b * h, h, w, d, r, cap, a_len,
+            overflow.view(torch.int8), stage if stage is not None else key, b * h, h, w, d, r, cap, a_len,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            CHECK_KV=check_kv, CHECK_A=check_a, WIN_BF16=win_bf16, A_BF16=a_bf16,
+            CHECK_KV=check_kv, CHECK_A=check_a, WIN_BF16=win_bf16, A_BF16=a_bf16, HAS_STAGE=stage is not None,
             BLOCK_W=_pow2(w), BLOCK_D=_pow2(d), BLOCK_R=_pow2(r))

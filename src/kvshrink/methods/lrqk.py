@@ -356,8 +356,9 @@ class LRQKLayer(CacheLayer):
 
     def _gpu_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
                     candidates: int) -> torch.Tensor:
-        """Proxy mass in Triton, top-k on the device, the fill (``SlotTier.select_device``), then one
-        Triton attention reading the selected slots by index, the window and the new token. With
+        """Proxy mass in Triton, top-k on the device, the slot plan and miss transfer (``SlotTier.select_device``),
+        then one Triton attention storing the missing rows into their slots as it reads the selected slots by
+        index, the window and the new token. With
         ``prefetch``, the next-ranked tokens ride on the same host transfer and are loaded in the
         background for the next step."""
         from kvshrink.kernels import lrqk_proxy
@@ -367,7 +368,7 @@ class LRQKLayer(CacheLayer):
         rows, device = b * hkv, self.slots.keys.device
         if getattr(self, "_overflow", None) is None:   # (a layer saved before the GPU path lacks it)
             self._overflow = torch.zeros((), dtype=torch.bool, device=device)
-        slot = selected = None
+        slot = selected = pending = overflow = None
         if candidates > 0:
             if self.exact_selection:      # diagnostic: reads every key from the slow tier (synchronises)
                 selected, top_mass, mass = self._select(ctx, candidates)
@@ -383,16 +384,11 @@ class LRQKLayer(CacheLayer):
             extra = min(self.extra, candidates - selected.shape[1])
             if self.prefetch_on and extra > 0:     # the best-ranked tokens outside this step's top-k
                 ahead = torch.topk(mass.scatter(1, selected, float("-inf")), extra, dim=-1).indices
-            report, slot, overflow, ahead_host = self.slots.select_device(
+            report, slot, overflow, ahead_host, pending = self.slots.select_device(
                 selected, self.slow, top_mass, self._overflow, prefetched=prefetched, ahead=ahead)
             record_fill(self.counters, self.step_log, report)
             if ahead_host is not None:
                 self._start_prefetch_host(ahead, ahead_host)
-            if overflow:
-                raise ValueError(
-                    "kvshrink: a key, value or key factor is beyond float16's range (+-65504); stored as float16 "
-                    "it became inf. Store exact tokens (slot_dtype) and factors (factor_dtype) in the model's "
-                    "dtype for this model.")
             if self.measure_recall:
                 self._measure_recall(query, ctx, candidates, selected)
         n_win = self.win_k.shape[2] if self.win_k is not None else 0
@@ -403,7 +399,12 @@ class LRQKLayer(CacheLayer):
             query.reshape(rows, hq // hkv, d).to(device), self.slots.keys, self.slots.values, slot,
             selected.to(device) if selected is not None else None, tail_k, tail_v,
             key.reshape(rows, d).to(device), value.reshape(rows, d).to(device), ctx.past_len - n_win,
-            ctx.scaling, first)
+            ctx.scaling, first, fill=pending, out_dtype=query.dtype)
+        if overflow:     # (after the attention, which stores this step's misses: the slots stay as planned)
+            raise ValueError(
+                "kvshrink: a key, value or key factor is beyond float16's range (+-65504); stored as float16 "
+                "it became inf. Store exact tokens (slot_dtype) and factors (factor_dtype) in the model's "
+                "dtype for this model.")
         return out.reshape(b, hq, 1, d).to(query.device)
 
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
@@ -466,18 +467,22 @@ class LRQKLayer(CacheLayer):
         on the resident tokens' sums."""
         b, _, _, d = query.shape
         f = self.a_k.shape[1]
-        q = self._factor_queries(query).reshape(b * f, -1, d).float()
-        k = self._factor_keys(self._pending[0]).reshape(b * f, d).float()
+        q = self._factor_queries(query).reshape(b * f, -1, d)
+        k = self._factor_keys(self._pending[0]).reshape(b * f, d)
         gpu = self._on_gpu_path(query)
         compiled = lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu
         self._step_factors = None
-        if gpu and self._factor_kernel_runs():
+        if gpu and self._factor_kernel_runs():      # (reads a 16-bit model's query and key as float32 itself)
             from kvshrink.kernels.lrqk_factor import factor_step
 
             self.b_q, self.b_k = (_kernel_basis(x) for x in (self.b_q, self.b_k))
             q_hat, k_hat = factor_step(q, k, self.b_q, self.b_k, self.a_k.view(b * f, -1, self.rank),
                                        *self._residents(d), self.copies, self.lam, self.update_bases)
-        elif compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
+            self._q_hat = q_hat.reshape(b, f, -1, self.rank)
+            self._k_hat = k_hat.reshape(b, f, self.rank)
+            return
+        q, k = q.float(), k.float()
+        if compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
             # read again by this step's proxy scores; a scratch buffer, not a fresh allocation each layer and step
             self._step_factors = fused.scratch("lrqk factors", tuple(self.a_k.shape)).copy_(self.a_k)
             q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.resident_decode_step(
@@ -767,8 +772,11 @@ class LRQKLayer(CacheLayer):
         if deferred and self._commit_kernel_runs(key):
             from kvshrink.kernels.lrqk_slots import commit_token
 
-            commit_token(key, value, self._k_hat, self.win_k, self.win_v, self.a_k, self.a_len, self._overflow)
-            self.slow.append(key, value, non_blocking=True)
+            b, h, _, d = key.shape
+            stage = torch.empty(1, b * h, 2, d, dtype=key.dtype, device=key.device)
+            commit_token(key, value, self._k_hat, self.win_k, self.win_v, self.a_k, self.a_len, self._overflow,
+                         stage=stage)
+            self.slow.append_rows(stage, non_blocking=True)
             self.a_len += 1
             if self.counters["decode_steps"] > 0:
                 self.gram_q = self.gram_k = None  # as _append_factors: prefill is over

@@ -111,11 +111,16 @@ class SlowTier:
         host synchronisation); reads wait for it (``_settle``), which costs nothing once the stream has
         synchronised, as each GPU decode step's miss transfer does."""
         b, h, q, d = key.shape
-        rows = torch.stack([key, value], dim=2).reshape(b * h, 2, q, d).permute(2, 0, 1, 3)
+        self.append_rows(torch.stack([key, value], dim=2).reshape(b * h, 2, q, d).permute(2, 0, 1, 3), non_blocking)
+
+    def append_rows(self, rows: torch.Tensor, non_blocking: bool = False) -> None:
+        """``append`` of tokens already laid out as held, ``rows [q, B*H_kv, 2, d]`` (the GPU path's commit kernel
+        writes its token so: one copy to the host, no stack)."""
+        q = rows.shape[0]
         with self._lock:
             self._reserve(self.length + q)
             target = self.data[self.length: self.length + q]
-            if non_blocking and key.is_cuda and self.kind == "cpu" and target.is_pinned():
+            if non_blocking and rows.is_cuda and self.kind == "cpu" and target.is_pinned():
                 target.copy_(rows.to(self.dtype), non_blocking=True)
                 self._inflight = torch.cuda.Event()
                 self._inflight.record()
@@ -506,7 +511,7 @@ class SlotTier:
                       overflow: torch.Tensor | None = None,
                       prefetched: tuple[torch.Tensor, torch.Tensor] | None = None,
                       ahead: torch.Tensor | None = None):
-        """``select`` for the GPU path: the bookkeeping on the slots' device, in two Triton launches
+        """``select`` for the GPU path: the bookkeeping on the slots' device, in one Triton launch
         (`kernels.lrqk_slots.slot_plan`; without Triton, or with ``plan_kernel`` off, in tensor ops: its oracle),
         and one host synchronisation, the miss transfer.
 
@@ -517,8 +522,9 @@ class SlotTier:
         count and the ``overflow`` flag (a 0-dim bool tensor of deferred range checks) after them; that
         tensor is the one copy to the host. The rows come from the slow tier through a pinned buffer
         (non-blocking). Returns the report, the slot of each selected token ``[rows, k]`` (what the
-        gathered attention reads), the overflow flag as it reached the host (None without one) and
-        ``ahead`` on the host (None without it).
+        gathered attention reads), the overflow flag as it reached the host (None without one), ``ahead`` on
+        the host (None without it) and the missing rows still to store (`lrqk_proxy.SlotFill`, for the gathered
+        attention to store as it reads them; None where they were stored here: no misses, or the tensor ops).
 
         ``prefetched``: ``(tokens [rows, e]`` on the device, ``rows [rows*e, 2, d]`` on the host), last
         step's background load: a missing token found there is installed from it (its position rides in
@@ -532,10 +538,11 @@ class SlotTier:
         device = self.token.device
         selected = selected.to(device).long()
         n = rows * k
-        if self._plan_kernel_runs():
+        kernel = self._plan_kernel_runs()
+        if kernel:
             from kvshrink.kernels.lrqk_slots import slot_plan
 
-            slot, plan, dest = slot_plan(
+            slot, plan, dest, rank, offset = slot_plan(
                 selected, self.token, self.score, self.chosen, self.policy, self.step, slow.rows,
                 mass.to(device) if mass is not None else None, overflow,
                 prefetched[0].to(device) if prefetched is not None else None,
@@ -547,6 +554,7 @@ class SlotTier:
         slow.stream_synced()
         m = int(host[n])
         moved = hits = 0
+        pending = None
         if m:
             codes = host[:m]
             from_pf = np.flatnonzero(codes < 0)
@@ -556,11 +564,10 @@ class SlotTier:
                 extra = (torch.from_numpy(from_pf), prefetched[1].index_select(0, torch.from_numpy(-1 - codes[from_pf])))
             fill = slow.gather_to(torch.from_numpy(codes), device, extra)
             moved = (m - hits) * 2 * slow.head_dim * fill.element_size()
-            if overflow is not None and self._plan_kernel_runs() and self.keys.is_contiguous() \
-                    and self.values.is_contiguous():
-                from kvshrink.kernels.lrqk_slots import fill_slots
+            if kernel and overflow is not None and self.keys.is_contiguous() and self.values.is_contiguous():
+                from kvshrink.kernels.lrqk_proxy import SlotFill
 
-                fill_slots(fill, dest[:m], self.keys, self.values, overflow)
+                pending = SlotFill(fill, rank, offset, overflow)   # stored by the attention that reads them
             else:
                 fill = deferred_to_storage(fill, self.keys.dtype, overflow)
                 into = dest[:m]
@@ -568,7 +575,8 @@ class SlotTier:
                 self.values.view(-1, self.values.shape[-1]).index_copy_(0, into, fill[:, 1])
         flag = bool(host[n + 1] > 0) if overflow is not None else None
         ahead_host = torch.from_numpy(host[n + 2:]).reshape(ahead.shape) if ahead is not None and ahead.numel() else None
-        return FillReport(selected=n, missed=m, bytes_moved=moved, prefetch_hits=hits), slot, flag, ahead_host
+        report = FillReport(selected=n, missed=m, bytes_moved=moved, prefetch_hits=hits)
+        return report, slot, flag, ahead_host, pending
 
     def _plan_kernel_runs(self) -> bool:
         """Whether `select_device` plans with the Triton kernels (`kernels.lrqk_slots`): Triton importable, the
