@@ -635,7 +635,11 @@ for fn, sig, consts in kernels:
     sig = {n: sig[n] for n in fn.arg_names}         # in the kernel's parameter order
     shared = {n: v for n, v in (("HAS_PAD", True), ("BLOCK_G", 16)) if n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={**shared, **consts})
-    assert "ld.global" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "ld.global" in ptx
+    if fn in (k._proxy_stats, k._gathered_attention_kernel, lrqk_slots._slot_plan_rows):
+        # kernels.tickets: the arrival an acquire-release atomic at device scope, the partials read from L2
+        assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, fn.__name__
 print("compiled")
 """
 

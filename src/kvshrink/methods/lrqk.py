@@ -478,10 +478,16 @@ class LRQKLayer(CacheLayer):
             self.b_q, self.b_k = (_kernel_basis(x) for x in (self.b_q, self.b_k))
             q_hat, k_hat = factor_step(q, k, self.b_q, self.b_k, self.a_k.view(b * f, -1, self.rank),
                                        *self._residents(d), self.copies, self.lam, self.update_bases)
-            self._q_hat = q_hat.reshape(b, f, -1, self.rank)
-            self._k_hat = k_hat.reshape(b, f, self.rank)
-            return
-        q, k = q.float(), k.float()
+        else:
+            q_hat, k_hat = self._factor_vectors_elsewhere(q.float(), k.float(), gpu, compiled)
+        self._q_hat = q_hat.reshape(b, f, -1, self.rank)
+        self._k_hat = k_hat.reshape(b, f, self.rank)
+
+    def _factor_vectors_elsewhere(self, q: torch.Tensor, k: torch.Tensor, gpu: bool,
+                                  compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q̂, k̂)`` of `_update_factor_vectors_fast` without the Triton kernel: numba, else the torch ops
+        (the bases updated as they go)."""
+        b, f, d = self.a_k.shape[0], self.a_k.shape[1], q.shape[-1]
         if compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
             # read again by this step's proxy scores; a scratch buffer, not a fresh allocation each layer and step
             self._step_factors = fused.scratch("lrqk factors", tuple(self.a_k.shape)).copy_(self.a_k)
@@ -502,8 +508,7 @@ class LRQKLayer(CacheLayer):
                 if self.update_bases:
                     self.b_q = line_search_basis_step(self.b_q, q_hat, q)
                     self.b_k = line_search_basis_step(self.b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
-        self._q_hat = q_hat.reshape(b, f, -1, self.rank)
-        self._k_hat = k_hat.reshape(b, f, self.rank)
+        return q_hat, k_hat
 
     def _factor_kernel_runs(self) -> bool:
         """Whether the GPU path's factor update is the Triton kernel (`kernels.lrqk_factor`; rank <= 64)."""
