@@ -7,9 +7,6 @@
     cache.save("doc.kvs"); cache = kvshrink.load_cache("doc.kvs", model); question_cache = cache.fork()
 """
 
-# Choose Triton's interpreter (no GPU) before anything imports Triton (transformers does): kernels/backend.py.
-import kvshrink.kernels.backend  # noqa: E402,F401
-
 # Import the methods package first: loading a submodule binds it as an attribute of its parent, so
 # importing it later (methods(), or `import kvshrink.methods.h2o`) would replace the methods() function.
 import kvshrink.methods  # noqa: E402,F401  (registers the built-in methods)

@@ -1,14 +1,14 @@
-"""The Triton kernel behind ``kvshrink.kernels.exact_attention`` (imported only through ``_kernel()`` there,
-after ``kvshrink.kernels.backend.triton()`` chose the interpreter when no GPU is present)."""
+"""The Triton kernel behind ``kvshrink.kernels.exact_attention`` (imported only through ``_kernel()`` there;
+``kvshrink.kernels.backend.triton().jit`` chooses the interpreter when no GPU is present)."""
 
-import triton
-import triton.language as tl
+from kvshrink.kernels.backend import triton as _load_triton
 
-# Only Triton builtins and tl.reduce here: Triton's own @jit library functions (tl.max, tl.sum, tl.zeros)
-# are compiled-mode objects when something imported Triton before TRITON_INTERPRET=1 was set (transformers
-# does, through torch), and then cannot run in the interpreter on CPU. tl.reduce with the library's own
-# combine functions is what tl.max / tl.sum do, and the interpreter recognises those (numpy, not a
-# Python loop per element); the local ones are a fallback for a Triton without them.
+triton = _load_triton()
+import triton.language as tl  # noqa: E402
+
+# tl.reduce with the library's own combine functions is what tl.max / tl.sum do, and the interpreter
+# recognises those (numpy, not a Python loop per element); the local ones are a fallback for a Triton
+# without them.
 
 
 @triton.jit
