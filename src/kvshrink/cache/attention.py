@@ -105,7 +105,7 @@ def exact_partial(
     kernel of ``kvshrink.kernels.exact_attention``: keys and values read in their stored dtype, fp32
     accumulation, masks computed in the kernel, no host synchronisation.
     """
-    if not return_probs and gpu_path(query):
+    if not return_probs and gpu_path(query) and exact_kernel_trusted(query, key, value):
         from kvshrink.kernels.exact_attention import exact_attention
 
         out, lse = exact_attention(query, key, value, scaling, key_index=key_index, query_index=query_index,
@@ -199,7 +199,7 @@ def merge_partials(parts: list[Partial], out_dtype: torch.dtype | None = None) -
     ``out_dtype``, float32 when None: the GPU kernel writes it so, without a conversion after)."""
     if len(parts) == 1:
         return parts[0] if out_dtype is None else Partial(parts[0].out.to(out_dtype), parts[0].lse)
-    if gpu_path(parts[0].lse):  # one kernel instead of a few ops per part
+    if gpu_path(parts[0].lse) and _merge_kernel_trusted(parts[0].out, out_dtype):  # one kernel, not a few ops per part
         from kvshrink.kernels.exact_attention import merge_attention
 
         return Partial(*merge_attention([p.out for p in parts], [p.lse for p in parts], out_dtype))
@@ -210,6 +210,64 @@ def merge_partials(parts: list[Partial], out_dtype: torch.dtype | None = None) -
     # several partials per layer
     out = (torch.stack([p.out for p in parts]) * weights).sum(dim=0)
     return Partial(out if out_dtype is None else out.to(out_dtype), total)
+
+
+# ---- the GPU path's kernels, checked against the torch path above on first use per device and signature ----
+
+def exact_kernel_trusted(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the Triton exact-attention kernel agrees with the torch path on this device for these dtypes
+    and head size (`kvshrink.kernels.selfcheck`); False: take the torch path."""
+    from kvshrink.kernels import selfcheck
+
+    signature = (query.dtype, key.dtype, value.dtype, query.shape[-1])
+    return selfcheck.trusted("exact_attention", query.device, signature,
+                             lambda: _compare_exact_kernel(query.device, *signature))
+
+
+def _compare_exact_kernel(device: torch.device, q_dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype,
+                          d: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Both paths on a small padded, causal, GQA problem whose keys are split over two programs."""
+    from kvshrink.kernels.exact_attention import exact_attention
+
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hkv, q, n = 2, 4, 2, 3, 70
+    query = torch.randn(b, hq, q, d, generator=gen).to(device, q_dtype)
+    key = torch.randn(b, hkv, n, d, generator=gen).to(device, k_dtype)
+    value = torch.randn(b, hkv, n, d, generator=gen).to(device, v_dtype)
+    key_index = torch.arange(n, device=device).expand(b, n).contiguous()
+    query_index = torch.arange(n - q, n, device=device)
+    pad_len = torch.tensor([0, 5], device=device)
+    scaling = d ** -0.5
+    out, lse = exact_attention(query, key, value, scaling, key_index=key_index, query_index=query_index,
+                               pad_len=pad_len, num_splits=2)
+    mask = visibility_mask(key_index, n, query_index, pad_len, device)
+    ref = _matmul_partial(query, key, value, scaling, mask, False)
+    tolerance = 1e-3 if torch.float32 in (q_dtype, k_dtype, v_dtype) and q_dtype == torch.float32 else 3e-2
+    return torch.cat([out.flatten(), lse.flatten()]), torch.cat([ref.out.flatten(), ref.lse.flatten()]), tolerance
+
+
+def _merge_kernel_trusted(out: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
+    from kvshrink.kernels import selfcheck
+
+    signature = (out.dtype, out_dtype, out.shape[-1])
+    return selfcheck.trusted("merge_attention", out.device, signature,
+                             lambda: _compare_merge_kernel(out.device, *signature))
+
+
+def _compare_merge_kernel(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype | None,
+                          d: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    from kvshrink.kernels.exact_attention import merge_attention
+
+    gen = torch.Generator().manual_seed(0)
+    parts = [Partial(torch.randn(2, 4, 3, d, generator=gen).to(device, dtype),
+                     torch.randn(2, 4, 3, generator=gen).to(device)) for _ in range(3)]
+    parts[1].lse[0, 0, 0] = float("-inf")  # a part that saw no token
+    out, lse = merge_attention([p.out for p in parts], [p.lse for p in parts], out_dtype)
+    lses = torch.stack([p.lse for p in parts])
+    total = torch.logsumexp(lses, dim=0)
+    ref = (torch.stack([p.out.float() for p in parts]) * torch.exp(lses - total).unsqueeze(-1)).sum(dim=0)
+    tolerance = 1e-4 if out_dtype in (None, torch.float32) else 2e-2
+    return torch.cat([out.float().flatten(), lse.flatten()]), torch.cat([ref.flatten(), total.flatten()]), tolerance
 
 
 def causal_chunk_attention(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvshrink.cache.attention import exact_kernel_trusted
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.store import ExactStore, partial_or_none
 from kvshrink.kernels.backend import gpu_path
@@ -44,6 +45,8 @@ class ExactLayer(CacheLayer):
         if not gpu_path(query):
             if ctx.pad_len is None and self.store.dtype in (None, query.dtype):
                 return self._decode_from_store(query, ctx)
+            return super().attend(query, ctx)
+        if not exact_kernel_trusted(query, self.store.keys, self.store.values):
             return super().attend(query, ctx)
         from kvshrink.kernels.exact_attention import exact_attention
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "StepCount", "count_decode_step", "kernel_launch", "SYNC_OPS", "NO_LAUNCH_OPS"]
+__all__ = ["OpCounter", "StepCount", "count_decode_step", "kernel_launch", "uncounted", "SYNC_OPS", "NO_LAUNCH_OPS"]
 
 # ops that make the host wait for the device (by name of the overload packet)
 SYNC_OPS = frozenset({
@@ -81,6 +81,20 @@ def kernel_launch(name: str) -> Iterator[None]:
     _state.suppress += 1
     try:
         yield
+    finally:
+        _state.suppress -= 1
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Run work that is not part of the step being counted (a kernel's one-time check on first use)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    _active()
+    _state.suppress += 1
+    try:
+        with _disable_current_modes():
+            yield
     finally:
         _state.suppress -= 1
 
