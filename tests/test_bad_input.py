@@ -134,7 +134,7 @@ def test_cache_reuse_with_an_unrelated_prompt():
 def test_unwritable_or_vanished_disk_tier_folder(tmp_path):
     import shutil
 
-    from kvshrink.methods.lrqk_tiers import SlowTierChanged
+    from kvshrink.methods.lrqk.tiers import SlowTierChanged
 
     model = tiny_model("llama")
     blocker = tmp_path / "a-file"

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import kvshrink
 from kvshrink.methods.lrqk import chunked_prefill, step_report
-from kvshrink.methods.lrqk_tiers import DiskSlowTier, SlotTier, SlowTier, SlowTierChanged
+from kvshrink.methods.lrqk.tiers import DiskSlowTier, SlotTier, SlowTier, SlowTierChanged
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import kvshrink
 from kvshrink.cache.rowwise import one_row_layers
 from kvshrink.codecs import fused, lowrank_fused
 from kvshrink.codecs.lowrank import decode_factor_vectors, line_search_basis_step
-from kvshrink.methods.lrqk_tiers import SlotTier, SlowTier
+from kvshrink.methods.lrqk.tiers import SlotTier, SlowTier
 
 OPTION_SETS = [
     {},
@@ -59,24 +59,24 @@ def test_fast_decode_equals_reference(models, family, options):
 @pytest.mark.parametrize("compiled", ["compiled", "small-tiles", "per-phase"])
 @pytest.mark.parametrize("lengths", [[90, 70, 81], [40]], ids=["padded-batch", "one-row"])
 def test_default_layout_decodes_in_one_compiled_call_per_layer(models, monkeypatch, compiled, lengths):
-    """The default layout on a float32 model decodes each layer in one `lrqk_fused` call (every decode step
+    """The default layout on a float32 model decodes each layer in one `cpu_step` call (every decode step
     once the prompt has candidates), or with it switched off through the per-phase kernels: the reference's
     tokens, logits, data movement and state either way. ``small-tiles``: the call widens its float16 rows 40 words
     at a time (slots, window and values in tiles of 2 rows of 16, factors in tiles of fewer rows than there are),
     so every tiled loop runs several tiles and a partial last one."""
-    from kvshrink.methods import lrqk_fused
+    from kvshrink.methods.lrqk import cpu_step
     from kvshrink.methods.lrqk import LRQKLayer
 
     if compiled == "small-tiles":
-        monkeypatch.setattr(lrqk_fused, "TILE_WORDS", 40)
+        monkeypatch.setattr(cpu_step, "TILE_WORDS", 40)
     compiled = compiled != "per-phase"
 
     calls = []
-    step = lrqk_fused.decode_step
+    step = cpu_step.decode_step
     model = models["llama"]
     d = model.config.hidden_size // model.config.num_attention_heads
     # (the warm-ups' calls, on a head size of 2, are not decode steps)
-    monkeypatch.setattr(lrqk_fused, "decode_step", lambda *a, **k: calls.append(a[0].shape[2] == d) or step(*a, **k))
+    monkeypatch.setattr(cpu_step, "decode_step", lambda *a, **k: calls.append(a[0].shape[2] == d) or step(*a, **k))
     if not compiled:
         monkeypatch.setattr(LRQKLayer, "_compiled_decode", lambda self, *a: None)
     ids, mask = left_pad(prompts(lengths))
@@ -167,7 +167,7 @@ def test_eviction_order_is_a_stable_sort():
     ``argsort(kind="mergesort")`` for equal, mixed and infinite priorities."""
     import numpy as np
 
-    from kvshrink.methods.lrqk_tiers import _eviction_order
+    from kvshrink.methods.lrqk.tiers import _eviction_order
 
     rng = np.random.default_rng(0)
     cases = [np.zeros(7), np.array([np.inf, 0, -np.inf, 0, np.inf, -np.inf, 0]), np.full(5, np.inf),
@@ -246,7 +246,7 @@ def test_compiled_float16_conversion_rounds_as_torch():
     values over the whole exponent range; a NaN stays a NaN."""
     import numpy as np
 
-    from kvshrink.methods import lrqk_tiers
+    from kvshrink.methods.lrqk import tiers as lrqk_tiers
 
     halves = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
     halves = halves[~torch.isnan(halves)].float()
@@ -339,7 +339,7 @@ def test_proxy_selection_in_one_pass_equals_softmax_sum_and_topk(padded):
     tokens in the same (token) order, ties included (the latest taken: never padding before a real token), and
     masses within float32 rounding, with both kernel variants; a KV row whose candidates are all padding gets no
     mass."""
-    from kvshrink.methods.lrqk import top_k_in_token_order
+    from kvshrink.methods.lrqk.layer import top_k_in_token_order
 
     g = torch.Generator().manual_seed(3)
     kv_rows, per_row, n, k, scaling = 4, 6, 300, 37, 0.125
@@ -371,7 +371,7 @@ def test_proxy_selection_ranks_ties_by_token_and_nan_first():
     """Ties with the k-th value are taken latest first, by both paths; a NaN logit gives its candidate no mass (the
     softmax's exp is 0 for it; torch's softmax would make the whole row NaN); k equal to the candidates takes them
     all."""
-    from kvshrink.methods.lrqk import top_k_in_token_order
+    from kvshrink.methods.lrqk.layer import top_k_in_token_order
 
     logits = torch.zeros(1, 6)     # equal logits: every candidate has the same mass
     selected, _, _ = lowrank_fused.proxy_top_k(logits.clone(), 1.0, None, 1, 3)
@@ -397,7 +397,7 @@ def test_a_decode_token_enters_the_float16_window_as_torch_stores_it(planted):
     float16's range (or a factor) refused as `to_storage` refuses it, with nothing written; a NaN let through as
     it lets it through."""
     from kvshrink.cache.store import to_storage
-    from kvshrink.methods.lrqk_tiers import half_words, shift_in_narrowed
+    from kvshrink.methods.lrqk.tiers import half_words, shift_in_narrowed
 
     g = torch.Generator().manual_seed(5)
     b, h, w, d, f, cap, r = 1, 3, 5, 8, 3, 6, 4
@@ -455,12 +455,12 @@ def test_a_decode_key_beyond_float16_is_refused_by_the_window(kernel, factor_dty
 @pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("beyond", ["token", "fill"])
 def test_compiled_step_reports_an_overflow_a_nan_would_hide(beyond):
-    """`lrqk_fused.decode_step` with one KV row filled from NaN rows (let through, as `to_storage` lets them) and a
+    """`cpu_step.decode_step` with one KV row filled from NaN rows (let through, as `to_storage` lets them) and a
     value beyond float16's range in the other row's filled rows or in the new token: the overflow is reported (its
     NaN word, larger, does not hide it) and nothing of the token is stored."""
     import numpy as np
 
-    from kvshrink.methods import lrqk_fused
+    from kvshrink.methods.lrqk import cpu_step
 
     rows, d, cap, window = 2, 2, 2, 1
     slow = np.ones((4, rows, 2, d), np.float32)            # 3 tokens and room for the new one
@@ -476,7 +476,7 @@ def test_compiled_step_reports_an_overflow_a_nan_would_hide(beyond):
     windows = (np.full((rows, window, d), one, np.uint16), np.full((rows, window, d), one, np.uint16))
     before = factors.copy(), windows[0].copy(), slow_words[3].copy()
     bases = np.eye(1, d, dtype=np.float32)[None].repeat(rows, 0)
-    *_, missed, word = lrqk_fused.decode_step(
+    *_, missed, word = cpu_step.decode_step(
         np.ones((rows, 1, d), np.float32), key, value, bases.copy(), bases.copy(), factors, 3,
         np.full((rows, cap), -1, np.int64), np.zeros((rows, cap), np.float32), np.zeros((rows, cap), np.bool_),
         (np.zeros((rows, cap, d), np.uint16), np.zeros((rows, cap, d), np.uint16)), windows, slow_words, 2, 2,

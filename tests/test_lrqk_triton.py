@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 import kvshrink  # noqa: E402
 from kvshrink.cache.rowwise import one_row_layers  # noqa: E402
 from kvshrink.kernels.backend import force_gpu_path, triton_available  # noqa: E402
-from kvshrink.methods import lrqk_tiers  # noqa: E402
+from kvshrink.methods.lrqk import tiers as lrqk_tiers  # noqa: E402
 from kvshrink.methods.lrqk import LRQKLayer  # noqa: E402
 
 if not triton_available():  # pragma: no cover - Triton imported before kvshrink without a GPU
@@ -385,7 +385,7 @@ def test_proxy_ranking_sums_copies_and_ranks_ties_as_the_cpu_paths(copies):
     `token_order_keys` of that mass, and a top-k of the keys is `top_k_in_token_order`'s rule: of masses tied
     with the k-th (here zeros: scores far below the row's best underflow), the latest tokens, never left
     padding before a real token."""
-    from kvshrink.methods.lrqk import token_order_keys, top_k_by_keys, top_k_in_token_order
+    from kvshrink.methods.lrqk.layer import token_order_keys, top_k_by_keys, top_k_in_token_order
 
     g = torch.Generator().manual_seed(copies)
     kv_rows, groups, rank, n, k = 3, 2, 16, 131, 40
@@ -411,7 +411,7 @@ def test_proxy_ranking_sums_copies_and_ranks_ties_as_the_cpu_paths(copies):
 def test_token_order_keys_rank_as_the_tie_rule():
     """`token_order_keys`: a larger mass ranks above, equal masses by the later token, NaN tied with inf (the
     torch rule's ranking) above every finite mass."""
-    from kvshrink.methods.lrqk import token_order_keys, top_k_by_keys, top_k_in_token_order
+    from kvshrink.methods.lrqk.layer import token_order_keys, top_k_by_keys, top_k_in_token_order
 
     mass = torch.tensor([[0.5, 0.0, 0.2, 0.0, 0.0, 0.2, 0.1, float("nan"), 3.0]])
     order = torch.argsort(token_order_keys(mass), dim=1, descending=True)
@@ -432,7 +432,7 @@ def test_slot_plan_kernel_equals_the_tensor_ops(policy, prefetch, ahead, overflo
 
     from kvshrink.kernels.counting import OpCounter
     from kvshrink.kernels.lrqk_slots import slot_plan
-    from kvshrink.methods.lrqk_tiers import SlotTier
+    from kvshrink.methods.lrqk.tiers import SlotTier
 
     g = torch.Generator().manual_seed(len(policy) + 3 * prefetch + 5 * ahead)
     span = 40
@@ -487,7 +487,7 @@ def test_attention_stores_the_fill_as_the_tensor_ops(slot_dtype, fill_dtype, spe
     subnormals; NaN and inf where named) rounded into their slots as ``.to`` rounds them and attended as stored, the
     held slots read as they are; a value beyond float16's range, narrowing to float16, raising the overflow flag."""
     from kvshrink.kernels.counting import OpCounter
-    from kvshrink.methods.lrqk_tiers import deferred_to_storage
+    from kvshrink.methods.lrqk.tiers import deferred_to_storage
 
     if special == "nan" and slot_dtype == torch.float16:
         pytest.skip("a NaN hides an overflow from the tensor ops' maximum: not mixed")

@@ -18,7 +18,7 @@ def new_counters() -> dict[str, float]:
 
 
 def record_fill(counters: dict, step_log: list, report) -> None:
-    """Count one decode step's slot fill (``lrqk_tiers.FillReport``)."""
+    """Count one decode step's slot fill (``tiers.FillReport``)."""
     c = counters
     c["decode_steps"] += 1
     c["selected_rows"] += report.selected

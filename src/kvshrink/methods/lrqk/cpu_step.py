@@ -7,7 +7,7 @@ order of ``LRQKLayer``'s reference path:
 2. the factor update (``lowrank_fused._head_step``) over the resident sums made from those scores;
 3. the proxy scores ``q̂·A_K`` of every candidate, their softmax summed over the group, the top-k
    (``lowrank_fused._proxy_top_k_row``: the same tie rule);
-4. the slot fill (``lrqk_tiers.plan_fill_row``: the ``set`` policy's slots), the missing rows read from the
+4. the slot fill (``tiers.plan_fill_row``: the ``set`` policy's slots), the missing rows read from the
    slow tier and narrowed into the slots;
 5. exact attention over the selected slots, the window and the new token. A slot whose token stayed keeps
    the score of step 1 (the same query, the same key): only the rows that entered are scored again;
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvshrink.codecs import fused, lowrank_fused
-from kvshrink.methods.lrqk_tiers import _F32_FP16_OVERFLOW_BITS, _F32_INF_BITS
+from kvshrink.methods.lrqk.tiers import _F32_FP16_OVERFLOW_BITS, _F32_INF_BITS
 
 __all__ = ["decode_step", "warm_up"]
 
@@ -43,7 +43,7 @@ if fused.available():
 
     from kvshrink.codecs.fused import _HALF_POW2, _softmax_rows, _widen_rows, narrow_row, prefetch_row
     from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row, resident_gram_sums, score_into
-    from kvshrink.methods.lrqk_tiers import _shift_in_narrowed, plan_fill_row
+    from kvshrink.methods.lrqk.tiers import _shift_in_narrowed, plan_fill_row
 
     @njit(inline="always")
     def _tile_rows(width, tile_words):  # pragma: no cover - compiled

@@ -9,14 +9,14 @@ Per layer (see docs/design methods.md §2 and ``codecs/lowrank.py`` for the math
 - **decode**: the new token's ``q̂`` (per query head) and ``k̂`` come from closed-form updates
   against the resident tokens, the bases take one exact-line-search step, proxy scores ``A_K q̂``
   rank every token older than the window, and the per-KV-head top-k (by estimated attention mass
-  summed over the group) is made resident in the slots (``lrqk_tiers.SlotTier``), moving only the
+  summed over the group) is made resident in the slots (``tiers.SlotTier``), moving only the
   missing rows from the slow tier. Attention is exact over the selected slots, the window and the
   current token.
 - **slow tier**: every token's full K/V (``cpu`` or ``disk``), never counted in ``nbytes()``.
 
 ``kernel="fast"`` (the default) answers a decode step with fewer, larger operations: on CPU with
 ``kvshrink[fast]``, the default layout's whole step (factor update, selection, slot fill, attention) in one
-numba call per layer (``lrqk_fused``); elsewhere one attention call over slots, window and the new token,
+numba call per layer (``cpu_step``); elsewhere one attention call over slots, window and the new token,
 with the per-token factor update and the slot bookkeeping in numba kernels when numba is installed.
 ``kernel="reference"`` is the plain torch path, the oracle of ``tests/test_lrqk_fast.py``. All give the
 same answers up to float rounding.
@@ -66,17 +66,15 @@ from kvshrink.codecs.lowrank import (
     key_factors,
     line_search_basis_step,
 )
-from kvshrink.methods import lrqk_fused
-from kvshrink.methods.lrqk_prefill import chunked_prefill
-from kvshrink.methods.lrqk_report import (
+from kvshrink.methods.lrqk import cpu_step
+from kvshrink.methods.lrqk.report import (
     layer_stats,
     new_counters,
     record_fill,
     record_mass_recall,
     record_prefetch,
-    step_report,
 )
-from kvshrink.methods.lrqk_tiers import (
+from kvshrink.methods.lrqk.tiers import (
     POLICIES,
     SLOW_TIERS,
     FillReport,
@@ -90,8 +88,7 @@ from kvshrink.methods.lrqk_tiers import (
     warm_up_fill_planner,
 )
 
-# chunked_prefill and step_report live in their own modules; importable from here as before.
-__all__ = ["LRQKLayer", "LRQKOptions", "chunked_prefill", "step_report"]
+__all__ = ["LRQKLayer", "LRQKOptions"]
 
 FACTOR_HEADS = ("kv", "query")
 KERNELS = ("fast", "reference")
@@ -180,7 +177,7 @@ class LRQKLayer(CacheLayer):
         if self.fast:
             lowrank_fused.warm_up()  # compile or load the kernels now, not in the first timed decode step
             warm_up_fill_planner()
-            lrqk_fused.warm_up()
+            cpu_step.warm_up()
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 
@@ -273,7 +270,7 @@ class LRQKLayer(CacheLayer):
 
     # ---- the CPU path in one call ------------------------------------------------------------------
     def _compiled_layout(self) -> tuple | None:
-        """What ``lrqk_fused`` reads and updates in place (numpy views of the layer's tensors, no copy), or None where
+        """What ``cpu_step`` reads and updates in place (numpy views of the layer's tensors, no copy), or None where
         the layer is not in the layout it runs on: numba; float16 slots, a full float16 window and float16 factors
         per KV head on the CPU; a float32 slow tier; the paper's selection (the ``set`` policy, no prefetch, no
         diagnostics). Kept while those tensors stay the same objects (the compiled step changes them in place; a
@@ -306,7 +303,7 @@ class LRQKLayer(CacheLayer):
 
     def _compiled_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
                          candidates: int) -> torch.Tensor | None:
-        """The fast CPU decode step of a float32 model in one compiled call (``lrqk_fused``): factor update,
+        """The fast CPU decode step of a float32 model in one compiled call (``cpu_step``): factor update,
         selection, slot fill, attention and the new token stored (``commit``'s work); ``[B, H_q, 1, d]``, or None
         (nothing done) where it does not run (``_compiled_layout``)."""
         if not (candidates > 0 and query.dtype == key.dtype == torch.float32 and query.device.type == "cpu"
@@ -321,7 +318,7 @@ class LRQKLayer(CacheLayer):
         rows, r, k = self.slots.rows, self.rank, min(self.top_k, candidates)
         first = ctx.pad_len.repeat_interleave(self.info.num_kv_heads).long().numpy() if ctx.pad_len is not None \
             else self._no_padding(rows)
-        out, q_hat, k_hat, missed, beyond = lrqk_fused.decode_step(
+        out, q_hat, k_hat, missed, beyond = cpu_step.decode_step(
             fused._numpy(query.reshape(rows, -1, d)), fused._numpy(key).reshape(rows, d),
             fused._numpy(value).reshape(rows, d), b_q, b_k, factor_words, self.a_len, token, score, chosen,
             slot_words, window_words, slow_words, candidates, k, first, ctx.past_len, ctx.scaling, self.lam,
