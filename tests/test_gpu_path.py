@@ -344,6 +344,7 @@ def test_checks_a_decode_step_defers_are_raised():
     """fp16 overflow and NaN are refused on the GPU path too: at the end of a prefill, within
     DEFERRED_CHECK_EVERY decode steps, and by nbytes()."""
     from kvshrink.cache import store
+    from kvshrink.kernels.deferred import raise_deferred
 
     model = tiny_model(attn_implementation="sdpa")
     ids = torch.stack(prompts([10]))
@@ -351,10 +352,10 @@ def test_checks_a_decode_step_defers_are_raised():
         big = torch.full((1, 2, 10, 16), 1e5)
         with pytest.raises(ValueError, match="float16"):  # a prefill's overflow: raised at its end
             store.to_storage(big, torch.float16)
-            store.raise_deferred()
+            raise_deferred()
         for dtype in (torch.float64, torch.bfloat16, torch.float32):  # any source dtype narrows without a sync
             assert store.to_storage(torch.ones(2, 3, dtype=dtype), torch.float16).dtype == torch.float16
-        store.raise_deferred()
+        raise_deferred()
         cache = kvshrink.make_cache("full", model, dtype="float16")
         out = model(input_ids=ids, past_key_values=cache)
         store_of_layer = cache.layers[0].store

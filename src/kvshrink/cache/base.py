@@ -16,7 +16,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvshrink.cache.attention import Partial, causal_chunk_attention, exact_partial, merge_partials, self_partial
-from kvshrink.cache.store import DEFERRED_CHECK_EVERY, defer_nan, fp16_kv_bytes, held_bytes, raise_deferred
+from kvshrink.cache.store import fp16_kv_bytes, held_bytes
+from kvshrink.kernels.deferred import DEFERRED_CHECK_EVERY, defer_nan, raise_deferred
 from kvshrink.kernels.backend import gpu_path
 
 
@@ -440,7 +441,7 @@ class KVShrinkCache(CacheAccounting, Cache):
         nan = "NaN in the key states of layer 0; check the model inputs"
         if gpu_path(key_states) and q == 1 and self.get_seq_length():
             # a decode step on the GPU path never waits for the device: its checks are deferred to the next
-            # prefill, every DEFERRED_CHECK_EVERY decode steps and nbytes() (store.raise_deferred)
+            # prefill, every DEFERRED_CHECK_EVERY decode steps and nbytes() (kernels.deferred.raise_deferred)
             defer_nan(key_states, nan)
             if (self.decode_steps + 1) % DEFERRED_CHECK_EVERY == 0:
                 raise_deferred()
@@ -597,7 +598,7 @@ class KVShrinkCache(CacheAccounting, Cache):
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (all layers plus the cache's own bookkeeping); raises the
-        errors a GPU-path decode step deferred (store.raise_deferred)."""
+        errors a GPU-path decode step deferred (kernels.deferred.raise_deferred)."""
         raise_deferred()
         return sum(layer.nbytes() for layer in self.layers) + held_bytes(self._bookkeeping())
 

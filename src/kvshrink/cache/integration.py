@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvshrink.cache.base import KVShrinkCache, LayerHandle
-from kvshrink.cache.store import raise_deferred
+from kvshrink.kernels.deferred import raise_deferred
 from kvshrink.kernels.backend import gpu_path, gpu_path_forced
 
 ATTENTION_NAME = "kvshrink"

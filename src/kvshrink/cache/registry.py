@@ -189,13 +189,8 @@ def _layer_builder(name: str, cls, config: type | None) -> Callable[..., Any]:
     return build
 
 
-def _load_methods() -> None:
-    import kvshrink.methods  # noqa: F401  (registers the built-in methods)
-
-
 def methods() -> dict[str, MethodInfo]:
-    """Registered methods by name."""
-    _load_methods()
+    """Registered methods by name (``import kvshrink`` registers the built-in ones)."""
     return dict(sorted(_METHODS.items()))
 
 
@@ -226,7 +221,6 @@ def options_markdown() -> str:
 
 
 def get_method(name: str) -> MethodInfo:
-    _load_methods()
     if not isinstance(name, str) or name not in _METHODS:
         raise ValueError(f"unknown kvshrink method {name!r}; available: {', '.join(sorted(_METHODS))}")
     return _METHODS[name]

@@ -12,13 +12,13 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.kernels.backend import gpu_path
+from kvshrink.kernels.deferred import FP16_MAX, FP16_OVERFLOW, defer_peak, peak_magnitude, storage_overflow_check
 
 # Storage dtypes a method option may name (one spelling for every method).
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # What an option for exactly kept tokens may say: "auto" (the model's dtype when it is 16-bit, else
 # float16, the precision of the fp16 cache ratios are quoted against), "model", or a dtype by name.
 EXACT_DTYPE_CHOICES = ("auto", "model", *STORAGE_DTYPES)
-_FP16_MAX = torch.finfo(torch.float16).max
 
 
 def exact_storage_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -41,16 +41,11 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return x.to(dtype)
 
 
-def storage_overflow_check(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether storing ``x`` in ``dtype`` must be checked for fp16 overflow (it narrows to float16)."""
-    return dtype == torch.float16 and x.dtype != dtype and bool(x.numel())
-
-
 def check_storage(x: torch.Tensor, dtype: torch.dtype) -> None:
     """`to_storage`'s overflow check alone, for a caller that converts while copying into its buffer."""
     if storage_overflow_check(x, dtype):
         if gpu_path(x):
-            defer_peak(_peak(x), _FP16_MAX, _OVERFLOW)
+            defer_peak(peak_magnitude(x), FP16_MAX, FP16_OVERFLOW)
         else:
             check_fp16_peak(float(x.detach().abs().amax()))
 
@@ -58,62 +53,8 @@ def check_storage(x: torch.Tensor, dtype: torch.dtype) -> None:
 def check_fp16_peak(peak: float) -> None:
     """ValueError when values whose largest magnitude is ``peak`` are narrowed to float16 beyond its range
     (a NaN peak, as ``amax`` gives for values holding a NaN, passes: only overflow is refused)."""
-    if peak > _FP16_MAX:
-        raise ValueError(f"kvshrink: a key or value of {peak:.4g} is beyond float16's range (+-65504); " + _OVERFLOW)
-
-
-_OVERFLOW = ("stored as float16 it would become inf. Store exact tokens in the model's dtype (the method's "
-             "dtype option: 'model') for this model.")
-
-# ---- checks deferred on the GPU path (no host synchronisation in a decode step) -------------------
-# How often (in decode steps) a kvshrink cache on the GPU path synchronises once to raise deferred errors.
-DEFERRED_CHECK_EVERY = 64
-_DEFERRED: dict[tuple[str, str], tuple[torch.Tensor, float]] = {}
-
-
-def _peak(x: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of ``x`` (NaN if it holds one) as a 0-d float32 device tensor, one launch."""
-    if x.dtype == torch.float64:  # vector_norm refuses to narrow its accumulation dtype
-        return torch.linalg.vector_norm(x.detach(), ord=float("inf")).float()
-    return torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32)
-
-
-def defer_peak(value: torch.Tensor, limit: float, message: str) -> None:
-    """Keep the running maximum of the 0-d device tensor ``value``; `raise_deferred` raises ValueError
-    with ``message`` once it has exceeded ``limit``. Nothing waits for the device here."""
-    key = (message, str(value.device))
-    held = _DEFERRED.get(key)
-    value = value.detach().float()
-    _DEFERRED[key] = (value if held is None else torch.maximum(held[0], value), limit)
-
-
-def deferred_peak_slot(device: torch.device) -> torch.Tensor:
-    """The running maximum `to_storage`'s deferred fp16-overflow check keeps on ``device`` (a 0-d float32
-    tensor, made when none is held) for a kernel to raise in place: it maxes the value's bits as an
-    int32 (non-negative floats order as their bits, NaN above inf), so nothing else is launched."""
-    key = (_OVERFLOW, str(device))
-    if key not in _DEFERRED:
-        _DEFERRED[key] = (torch.zeros((), dtype=torch.float32, device=device), _FP16_MAX)
-    return _DEFERRED[key][0]
-
-
-def defer_nan(x: torch.Tensor, message: str) -> None:
-    """`raise_deferred` raises ValueError with ``message`` if ``x`` held a NaN (two launches: the largest
-    magnitude, which NaN propagates into, and the running maximum)."""
-    defer_peak(_peak(x), float("inf"), message)
-
-
-def raise_deferred() -> None:
-    """Raise the first error recorded by `defer_peak` (or `defer_nan`) since the last call (synchronises)."""
-    if not _DEFERRED:
-        return
-    pending = list(_DEFERRED.items())
-    _DEFERRED.clear()
-    for (message, _), (value, limit) in pending:
-        peak = float(value)
-        if peak > limit or peak != peak:  # beyond the limit, or NaN (which a maximum propagates)
-            what = f" (largest magnitude {peak:.4g})" if peak == peak else ""
-            raise ValueError(f"kvshrink: in a recent step on the GPU path{what}: {message}")
+    if peak > FP16_MAX:
+        raise ValueError(f"kvshrink: a key or value of {peak:.4g} is beyond float16's range (+-65504); " + FP16_OVERFLOW)
 
 
 def first_index(index: torch.Tensor) -> int:

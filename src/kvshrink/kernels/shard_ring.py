@@ -1,13 +1,13 @@
 """Triton kernel for Shard's exact ring buffer on the GPU path (`methods/shard/ring.py`): `put_token` stores
 a decode step's key and value into their slot in one launch, converting them to the ring's dtype, and
 raises the cache's deferred fp16-overflow maximum in place when the conversion narrows to float16
-(`cache.store.deferred_peak_slot`), instead of a stack, a norm, a maximum and a copy in torch."""
+(`kernels.deferred.deferred_peak_slot`), instead of a stack, a norm, a maximum and a copy in torch."""
 
 from __future__ import annotations
 
 import torch
 
-from kvshrink.cache.store import deferred_peak_slot, storage_overflow_check
+from kvshrink.kernels.deferred import deferred_peak_slot, storage_overflow_check
 from kvshrink.kernels import counting
 from kvshrink.kernels.backend import triton as _load_triton
 

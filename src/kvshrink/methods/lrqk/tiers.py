@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvshrink.cache.store import _FP16_MAX, check_fp16_peak, held_bytes, to_storage
+from kvshrink.cache.store import check_fp16_peak, held_bytes, to_storage
+from kvshrink.kernels.deferred import FP16_MAX
 from kvshrink.codecs import fused
 from kvshrink.kernels.backend import triton_available
 
@@ -841,7 +842,7 @@ _SAME_SIZE_UINT = {2: np.uint16, 4: np.uint32}
 # float32 +inf's bit pattern: a larger pattern without the sign is a NaN.
 _F32_INF_BITS = 0x7F800000
 # the smallest float32 pattern beyond float16's largest value (65504)
-_F32_FP16_OVERFLOW_BITS = int(np.array(_FP16_MAX, dtype=np.float32).view(np.uint32)) + 1
+_F32_FP16_OVERFLOW_BITS = int(np.array(FP16_MAX, dtype=np.float32).view(np.uint32)) + 1
 
 
 def _uint_view(t: torch.Tensor, unsigned) -> np.ndarray:
@@ -899,7 +900,7 @@ def deferred_to_storage(x: torch.Tensor, dtype: torch.dtype, overflow: torch.Ten
     if overflow is None:
         return to_storage(x, dtype)
     if dtype == torch.float16 and x.dtype != dtype and x.numel():
-        overflow.logical_or_(x.detach().abs().amax().float() > _FP16_MAX)
+        overflow.logical_or_(x.detach().abs().amax().float() > FP16_MAX)
     return x.to(dtype)
 
 
