@@ -57,6 +57,7 @@ from kvshrink.cache.store import (
 )
 from kvshrink.codecs import fused, lowrank_fused
 from kvshrink.kernels.backend import gpu_path, triton_available
+from kvshrink.kernels.compile_notice import compiling
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -175,9 +176,10 @@ class LRQKLayer(CacheLayer):
         self.measure_recall = o.measure_recall
         self.fast = o.kernel == "fast"
         if self.fast:
-            lowrank_fused.warm_up()  # compile or load the kernels now, not in the first timed decode step
-            warm_up_fill_planner()
-            cpu_step.warm_up()
+            with compiling("lrqk"):  # compile or load the kernels now, not in the first timed decode step
+                lowrank_fused.warm_up()
+                warm_up_fill_planner()
+                cpu_step.warm_up()
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 

@@ -14,6 +14,7 @@ from kvshrink.codecs.rope import rope_phases
 from kvshrink.codecs.scalar_levels import unit_levels
 from kvshrink.codecs.vq import gaussian_codebook
 from kvshrink.kernels.backend import gpu_path, triton_available
+from kvshrink.kernels.compile_notice import compiling
 from kvshrink.methods.shard.config import ShardConfig
 
 
@@ -35,7 +36,8 @@ class ShardShared:
         # Without numba the fast path is the torch ops (the same answers, slower), as LRQK's kernel option.
         self.fast = cfg.kernel == "fast" and fused.available()
         if self.fast:
-            fused.warm_up(cfg.pca_scopes(num_kv_heads))
+            with compiling("shard"):
+                fused.warm_up(cfg.pca_scopes(num_kv_heads))
             if cfg.v_fit == "gaussian":  # the codebook every block uses, as the blocks store it (float16)
                 fused.index_codebook(self.v_codebook.to(torch.float16))
         self._rope_ctx: StepContext | None = None
