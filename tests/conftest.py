@@ -9,6 +9,16 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Test files that run the GPU path's Triton kernels in Triton's interpreter on CPU: marked `interpreter`
+# (`make test-compat` leaves them out: they test kvshrink's kernels, not the transformers integration).
+INTERPRETER_TEST_FILES = {"test_gpu_path.py", "test_lrqk_triton.py", "test_shard_triton.py", "test_kernel_selfcheck.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in INTERPRETER_TEST_FILES:
+            item.add_marker(pytest.mark.interpreter)
+
 
 @pytest.fixture(scope="session")
 def real_model():

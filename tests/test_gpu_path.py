@@ -187,6 +187,7 @@ print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 """
 
 
+@pytest.mark.slow
 def test_exact_kernel_compiles_for_a_gpu():
     """The interpreter forgives what the compiler refuses: compile the bf16 kernels (attention, combine of
     the key splits, merge, attention over 8-bit codes) for sm_90 (no GPU needed)."""

@@ -13,8 +13,6 @@ from kvshrink.kernels import exact_attention as kernels
 from kvshrink.kernels import selfcheck
 from kvshrink.kernels.backend import force_gpu_path
 
-pytestmark = pytest.mark.interpreter
-
 
 @pytest.fixture
 def fresh_verdicts():

@@ -645,6 +645,7 @@ print("compiled")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels themselves")
+@pytest.mark.slow
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The kernels compile to PTX for sm_90 (the interpreter does not check what the compiler does), in a
     process with Triton's compiler (``TRITON_INTERPRET=0``; nothing is launched)."""
