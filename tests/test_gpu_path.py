@@ -204,18 +204,12 @@ def test_exact_kernel_compiles_for_a_gpu():
 DECODE_ROWS = [
     pytest.param("full", {}, 0, 3.0, id="full"),
     pytest.param("streaming", {"sinks": 2, "window": 8}, 0, 3.0, id="streaming"),
-    # a compressed middle at 40 tokens: 10 launches (was 103.5, then 79.5; 28.5 with int8 salient rows
-    # decoded in torch; 14.5 with the stream's scores and values in two kernels, 13.5 with the step's RoPE
-    # tables made by a dozen torch ops, 11 with the new token's exact attention a kernel of its own): 9 kernels
-    # per layer and 4 launches of the step's bookkeeping on layer 0 (1 per layer on these 4 layers, 0.13 on
-    # a 30-layer model); steady layers at the 3x: test_a_steady_shard_layer_launches_at_most_3x_...
+    # a compressed middle at 40 tokens: 10 launches, 9 kernels per layer and 4 launches of the step's
+    # bookkeeping on layer 0 (1 per layer on these 4 layers, 0.13 on a 30-layer model); steady layers at 3x the
+    # stock layer's: test_a_steady_shard_layer_launches_at_most_3x_...
     pytest.param("shard", {"window": 8, "min_block": 16}, 0, 10 / 3, id="shard"),
-    # 9.8 launches (was 214.8 before the factor update became one kernel, 87.8 before the proxy's
-    # log-sum-exp did, 78.8 before the slot bookkeeping's ~50 tensor ops became two kernels, the fill one and
-    # the commit one, 13.8 before the last program of a launch packed the plan, combined the log-sum-exp and
-    # merged the attention's splits, the attention stored the fill and the commit staged the host row): 6
-    # kernels, the top-k, the host tier's gather and the copy of the new token to it; 3 launches of the step's
-    # bookkeeping on layer 0. Steady layers at the 3x: test_a_steady_layer_launches_at_most_3x_...
+    # 9.8 launches: 6 kernels, the top-k, the host tier's gather and the copy of the new token to it; 3 launches
+    # of the step's bookkeeping on layer 0. Steady layers at 3x the stock layer's: test_a_steady_lrqk_layer_...
     pytest.param("lrqk", {"top_k": 8, "window": 4}, 1, 10 / 3, id="lrqk"),
 ]
 _LAYERS = 4  # enough layers that the per-step bookkeeping (on layer 0) is amortised as on a real model
