@@ -15,6 +15,7 @@ compiles even without a GPU: for ahead-of-time compile checks).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -115,6 +116,7 @@ def _interpreted_library() -> Iterator[None]:
                 setattr(module, name, value)
 
 
+@functools.lru_cache(maxsize=1)
 def _interpreted_kernel_type() -> type:
     from triton.runtime.interpreter import InterpretedFunction
 
