@@ -446,14 +446,15 @@ def _floats(name: str, x: torch.Tensor) -> np.ndarray:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel now, on a tiny input."""
+    """Compile (or load from numba's cache) the kernels now, on a tiny input: the serial or the parallel variant,
+    whichever the current thread count runs (the other is compiled on first use if the count changes: each
+    variant costs tens of seconds to compile on a small CPU)."""
     if not available():
         return
     fused.threading_layer_usable()
     b = torch.eye(2, 4).unsqueeze(0)
     decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b, b, torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), 1.0, True)
-    for _ in fused.each_kernel_variant():
-        proxy_top_k(torch.zeros(2, 3), 1.0, None, 1, 2)
-        resident_decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b.clone(), b.clone(), torch.ones(1, 3, 2),
-                             torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
-                             torch.ones(1, 1, 4), torch.ones(1, 1, 4), 1, 1, 1.0, True)
+    proxy_top_k(torch.zeros(2, 3), 1.0, None, 1, 2)
+    resident_decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b.clone(), b.clone(), torch.ones(1, 3, 2),
+                         torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
+                         torch.ones(1, 1, 4), torch.ones(1, 1, 4), 1, 1, 1.0, True)

@@ -285,13 +285,13 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) both variants now, on a tiny layer."""
+    """Compile (or load from numba's cache) the step now, on a tiny layer: the serial or the parallel variant,
+    whichever the current thread count runs (the other is compiled on first use if the count changes)."""
     if not fused.available():
         return
     half = np.zeros((1, 2, 2), np.uint16)
-    for _ in fused.each_kernel_variant():
-        decode_step(np.ones((1, 1, 2), np.float32), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
-                    np.eye(1, 2, dtype=np.float32)[None].copy(), np.eye(1, 2, dtype=np.float32)[None].copy(),
-                    np.zeros((1, 4, 1), np.uint16), 3, np.array([[0, -1]]), np.zeros((1, 2), np.float32),
-                    np.zeros((1, 2), np.bool_), (half.copy(), half.copy()), (half[:, :1].copy(), half[:, :1].copy()),
-                    np.zeros((4, 1, 2, 2), np.uint32), 2, 1, np.zeros(1, np.int64), 3, 1.0, 1.0, True, True)
+    decode_step(np.ones((1, 1, 2), np.float32), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
+                np.eye(1, 2, dtype=np.float32)[None].copy(), np.eye(1, 2, dtype=np.float32)[None].copy(),
+                np.zeros((1, 4, 1), np.uint16), 3, np.array([[0, -1]]), np.zeros((1, 2), np.float32),
+                np.zeros((1, 2), np.bool_), (half.copy(), half.copy()), (half[:, :1].copy(), half[:, :1].copy()),
+                np.zeros((4, 1, 2, 2), np.uint32), 2, 1, np.zeros(1, np.int64), 3, 1.0, 1.0, True, True)
