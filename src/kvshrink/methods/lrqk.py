@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import (
     EXACT_DTYPE_CHOICES,
@@ -228,6 +229,41 @@ class LRQKLayer(CacheLayer):
         self._drain_prefetch()
         return {k: v for k, v in {**self.__dict__, "_pool": None, "_prefetched": None}.items()
                 if k not in ("_views", "_compiled", "_zeros")}
+
+    # ---- save / load (cache/record.py): what the prompt and the steps made; the options' fields are made --------
+    RECORD = Schema(tensors=(TensorSpec("win_k", "b H w D", optional=True), TensorSpec("win_v", "b H w D", optional=True),
+                             TensorSpec("a_k", "b f c r", optional=True),
+                             TensorSpec("b_q", "bf r D", "float32", optional=True),
+                             TensorSpec("b_k", "bf r D", "float32", optional=True),
+                             TensorSpec("gram_q", "bf D D", "float64", optional=True),
+                             TensorSpec("gram_k", "bf D D", "float64", optional=True)),
+                    meta=("seen", "a_len", "fit_objective", "counters", "step_log"), parts=("slow", "slots"))
+
+    def to_record(self) -> Record:
+        self._drain_prefetch()
+        record = self.RECORD.write(self, slow=None if self.slow is None else self.slow.to_record(),
+                                   slots=None if self.slots is None else self.slots.to_record())
+        record.meta["step_log"] = [list(step) for step in self.step_log]
+        return record
+
+    def load_record(self, reader: RecordReader) -> None:
+        fields = self.RECORD.read(reader)
+        reader.check(fields["a_k"] is None or fields["a_k"].dtype == self.factor_dtype,
+                     f"its key factors must be {self.factor_dtype} (the factor_dtype option)")
+        reader.check(fields["b_k"] is None or fields["b_k"].shape[1] == self.rank, f"its bases must have rank {self.rank}")
+        for key, value in fields.items():
+            setattr(self, key, value)
+        self.step_log = [tuple(step) for step in self.step_log]
+        slow, slots = reader.part("slow", optional=True), reader.part("slots", optional=True)
+        reader.check((slow is None) == (slots is None) == (self.win_k is None), "its tiers and window are stored together")
+        if slow is not None:
+            rows = slow.meta("rows")
+            reader.check(rows % self.info.num_kv_heads == 0, f"{rows} tier rows are not whole batch rows")
+            like = torch.empty(rows // self.info.num_kv_heads, self.info.num_kv_heads, 0, self.info.head_dim,
+                               dtype=self.info.dtype, device=self.win_k.device)
+            self._ensure_tiers(like)
+            self.slow.load_record(slow)
+            self.slots.load_record(slots)
 
     def close(self) -> None:
         """Release both tiers (deletes the disk tier's folder)."""

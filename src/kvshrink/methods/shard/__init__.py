@@ -94,7 +94,7 @@ __all__ = ["ShardConfig", "ShardLayer", "ShardShared", "MiddleBlock", "TurboSegm
            "pick_salient", "allocate_layer_budgets"]
 
 
-def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
+def _build(model: torch.nn.Module, info, **options):
     from kvshrink.cache.base import KVShrinkCache
     from kvshrink.cache.integration import install
 
@@ -103,7 +103,7 @@ def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
     shared = ShardShared(cfg, info.num_layers, info.head_dim, info.num_kv_heads)
     if cfg.key_alloc == "global":
         shared.layer_key_bits = global_key_budgets(model, info, cfg)
-    cache = KVShrinkCache("shard", options, info, lambda spec: ShardLayer(spec, shared), multi_turn=multi_turn)
+    cache = KVShrinkCache("shard", options, info, lambda spec: ShardLayer(spec, shared))
     install(model)
     return cache
 
