@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import kvshrink
-from kvshrink.methods.lrqk import chunked_prefill, step_report
+from kvshrink.methods.lrqk_prefill import chunked_prefill
+from kvshrink.methods.lrqk_report import step_report
 from kvshrink.methods.lrqk_tiers import DiskSlowTier, SlotTier, SlowTier, SlowTierChanged
 
 

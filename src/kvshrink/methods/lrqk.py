@@ -68,14 +68,12 @@ from kvshrink.codecs.lowrank import (
     line_search_basis_step,
 )
 from kvshrink.methods import lrqk_fused
-from kvshrink.methods.lrqk_prefill import chunked_prefill
 from kvshrink.methods.lrqk_report import (
     layer_stats,
     new_counters,
     record_fill,
     record_mass_recall,
     record_prefetch,
-    step_report,
 )
 from kvshrink.methods.lrqk_tiers import (
     POLICIES,
@@ -91,8 +89,6 @@ from kvshrink.methods.lrqk_tiers import (
     warm_up_fill_planner,
 )
 
-# chunked_prefill and step_report live in their own modules; importable from here as before.
-__all__ = ["LRQKLayer", "LRQKOptions", "chunked_prefill", "step_report"]
 
 FACTOR_HEADS = ("kv", "query")
 KERNELS = ("fast", "reference")
@@ -151,7 +147,6 @@ class LRQKOptions:
 )
 class LRQKLayer(CacheLayer):
     split_batch_rows = True  # the low-rank factors are fitted per row
-    fast = True   # what a cache saved before the kernel option was added decodes with
     def __init__(self, spec: LayerSpec, options: LRQKOptions):
         super().__init__(spec)
         o = options
@@ -402,7 +397,7 @@ class LRQKLayer(CacheLayer):
         b, hq, _, d = query.shape
         hkv = self.info.num_kv_heads
         rows, device = b * hkv, self.slots.keys.device
-        if getattr(self, "_overflow", None) is None:   # (a layer saved before the GPU path lacks it)
+        if self._overflow is None:
             self._overflow = torch.zeros((), dtype=torch.bool, device=device)
         slot = selected = pending = overflow = None
         if candidates > 0:
@@ -796,7 +791,7 @@ class LRQKLayer(CacheLayer):
         tensors = (self.win_k, self.win_v, self.a_k)
         if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
             return False
-        views = self.__dict__.setdefault("_views", fused.NumpyViews())   # (absent from a layer saved before)
+        views = self.__dict__.setdefault("_views", fused.NumpyViews())   # (a copy has none: see __getstate__)
         words = tuple(views.get(name, t, half_words) for name, t in zip(("win_k", "win_v", "a_k"), tensors))
         rows, d, r = self.slots.rows, key.shape[-1], self.rank
         k_hat = self._k_hat if self._k_hat.dtype == torch.float64 else self._k_hat.double()

@@ -81,17 +81,10 @@ from __future__ import annotations
 import torch
 
 from kvshrink.cache.registry import register_method
-from kvshrink.methods.shard.calibration import allocate_layer_budgets, global_key_budgets
+from kvshrink.methods.shard.calibration import global_key_budgets
 from kvshrink.methods.shard.config import ShardConfig
 from kvshrink.methods.shard.layer import ShardLayer
-from kvshrink.methods.shard.salient import SalientTokens, pick_salient
-from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment
 from kvshrink.methods.shard.shared import ShardShared
-
-# The classes a saved cache names (files written before the split name them ``kvshrink.methods.shard:X``)
-# and the functions the tests import from here.
-__all__ = ["ShardConfig", "ShardLayer", "ShardShared", "MiddleBlock", "TurboSegment", "SalientTokens",
-           "pick_salient", "allocate_layer_budgets"]
 
 
 def _build(model: torch.nn.Module, info, **options):
