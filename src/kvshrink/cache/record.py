@@ -83,11 +83,13 @@ def dtype_of(name: str | None) -> torch.dtype | None:
 def flatten(record: Record, path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The JSON tree of ``record`` (metadata and parts); its tensors go into ``tensors`` under flat names
     ``path.name`` (a part's path is ``path.part``, a list's items ``path.part.i``)."""
+    present = []
     for name, tensor in record.tensors.items():
         if tensor is not None:
             _check_name(name)
             tensors[join(path, name)] = tensor
-    node: dict[str, Any] = {"meta": record.meta, "parts": {}}
+            present.append(name)
+    node: dict[str, Any] = {"meta": record.meta, "tensors": sorted(present), "parts": {}}
     for name, part in record.parts.items():
         _check_name(name)
         if isinstance(part, list):
@@ -113,13 +115,15 @@ class RecordReader:
 
     def __init__(self, node: Any, path: str, tensors: dict[str, torch.Tensor], context: dict[str, int],
                  read: set[str]):
-        if not (isinstance(node, dict) and isinstance(node.get("meta"), dict) and isinstance(node.get("parts"), dict)):
-            raise RecordError(f"{path or 'the cache'}: not a record (metadata and parts expected)")
+        if not (isinstance(node, dict) and isinstance(node.get("meta"), dict) and isinstance(node.get("parts"), dict)
+                and isinstance(node.get("tensors"), list)):
+            raise RecordError(f"{path or 'the cache'}: not a record (metadata, tensor names and parts expected)")
         self.where = path or "the cache"   # for messages
         self.path, self._node, self._all, self._read = path, node, tensors, read
         self.context = dict(context)
         self._bound: dict[str, int] = {}
         self._meta_read: set[str] = set()
+        self._tensors_read: set[str] = set()
         self._parts_read: set[str] = set()
         self._children: list[RecordReader] = []
 
@@ -141,9 +145,10 @@ class RecordReader:
 
     def tensor(self, spec: TensorSpec) -> torch.Tensor | None:
         name = join(self.path, spec.name)
+        self._tensors_read.add(spec.name)
+        if spec.name not in self._node["tensors"] and spec.optional:
+            return None      # not stored: the attribute is None
         if name not in self._all:
-            if spec.optional:
-                return None
             raise RecordError(f"tensor {name} is missing")
         self._read.add(name)
         t = self._all[name]
@@ -217,6 +222,9 @@ class RecordReader:
     # ---- nothing left unread ----------------------------------------------------------------------
     def check_all_read(self) -> None:
         """RecordError naming metadata or parts stored here (or in the parts read) that nothing read."""
+        extra = sorted(set(self._node["tensors"]) - self._tensors_read)
+        if extra:
+            raise RecordError(f"{self.where}: tensors {extra} are not part of this kvshrink's schema")
         extra = sorted(set(self._node["meta"]) - self._meta_read)
         if extra:
             raise RecordError(f"{self.where}: metadata {extra} is not part of this kvshrink's schema")
