@@ -248,7 +248,10 @@ class TurboSegment:
         them (the tokens held copied in once). Write them there, then call `filled`."""
         if self.buffer is not None and self.n + count <= self.buffer.codes.shape[-2]:
             return self.buffer
-        capacity = self.n + count + _stream_growth(self.n + count)
+        return self._buffer_of(self.n + count + _stream_growth(self.n + count), rows, n_bytes, device)
+
+    def _buffer_of(self, capacity: int, rows: tuple[int, ...], n_bytes: int, device) -> TurboCode:
+        """A buffer of ``capacity`` tokens holding the ``n`` held, made the stream's."""
         buffer = TurboCode(norm=torch.empty(2, *rows, capacity, dtype=torch.float16, device=device),
                            codes=torch.empty(2, *rows, capacity, n_bytes, dtype=torch.uint8, device=device))
         for i, held in enumerate((self.keys, self.values)):
@@ -277,11 +280,13 @@ class TurboSegment:
     def index(self, device) -> torch.Tensor:
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.runs])
 
-    # ---- save / load (cache/record.py): the codes held, compact (a buffer's free slots are not state) ---------
-    RECORD = Schema(meta=("n", "runs"), parts=("keys", "values"))
+    # ---- save / load (cache/record.py): the codes held, and the buffer's capacity (its free slots are held
+    # bytes: a loaded stream holds as many as the saved one) ---------------------------------------------------
+    RECORD = Schema(meta=("n", "runs", "capacity"), parts=("keys", "values"))
 
     def to_record(self) -> Record:
-        return Record(meta={"n": self.n, "runs": [list(run) for run in self.runs or []]},
+        capacity = None if self.buffer is None else self.buffer.codes.shape[-2]
+        return Record(meta={"n": self.n, "runs": [list(run) for run in self.runs or []], "capacity": capacity},
                       parts={"keys": turbo_code_record(self.keys, "b H n"),
                              "values": turbo_code_record(self.values, "b H n")})
 
@@ -295,7 +300,14 @@ class TurboSegment:
         reader.check((keys is None) == (values is None) == (n == 0), "keys and values are stored for its tokens")
         reader.check(keys is None or keys.norm.shape[-1] == values.norm.shape[-1] == n,
                      f"its codes must hold its {n} tokens")
-        return cls(keys=keys, values=values, n=n, runs=[tuple(run) for run in runs] or None)
+        segment = cls(keys=keys, values=values, n=n, runs=[tuple(run) for run in runs] or None)
+        capacity = reader.meta("capacity")
+        if capacity is not None:
+            reader.check(isinstance(capacity, int) and capacity >= n and keys is not None and keys.qjl_norm is None,
+                         f"a buffer of {capacity} tokens cannot hold its {n} tokens")
+            segment._buffer_of(capacity, tuple(keys.norm.shape[:-1]), keys.codes.shape[-1], keys.norm.device)
+            del segment.keys, segment.values  # views of the buffer from now on, as after a decode step (`filled`)
+        return segment
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.keys is None else self.keys.tensors() + self.values.tensors()
