@@ -41,10 +41,17 @@ def test_unknown_option_lists_the_valid_ones(method, option):
     ("lrqk", {"top_k": 0}, r"option 'top_k' must be >= 1, got 0"),
     ("full", {"dtype": "int8"}, r"'dtype' must be one of \['model', 'float16', 'bfloat16', 'float32'\]"),
     ("streaming", {"window": "many"}, r"option 'window' expects int, got 'many'"),
+    ("scissorhands", {"history": 80}, r"option 'history' must be in \[1, 62\], got 80"),
+    ("hf-quantized", {"backend": "fp8"}, r"option 'backend' must be one of \['quanto', 'hqq'\], got 'fp8'"),
 ])
 def test_option_out_of_range_states_the_range(method, options, message):
     with pytest.raises(ValueError, match=message):
         kvshrink.make_cache(method, tiny_model(), **options)
+
+
+def test_an_option_the_model_cannot_take_names_the_conflict():
+    with pytest.raises(NotImplementedError, match="groups of 48 channels; head size 16 is not a multiple of it"):
+        kvshrink.make_cache("kivi", tiny_model(), group=48)
 
 
 def test_bad_method_specs():
@@ -61,6 +68,13 @@ def test_unsupported_models_are_refused_naming_why():
         kvshrink.make_cache("full", GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))
     with pytest.raises(NotImplementedError, match="sliding-window attention .*sliding_window=16"):
         kvshrink.make_cache("full", tiny_model("mistral", sliding_window=16))
+    qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(NotImplementedError, match="sliding-window attention \\(model type 'qwen2', sliding_window=16"):
+        kvshrink.make_cache("full", qwen)
+    llama = tiny_model("llama")
+    llama.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(NotImplementedError, match=r"full-attention layers only; model 'llama' has \['linear_attention'\]"):
+        kvshrink.make_cache("full", llama)
     t5 = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=64, d_kv=16))
     with pytest.raises(NotImplementedError, match="decoder-only models; t5 is an encoder-decoder"):
         kvshrink.make_cache("full", t5)

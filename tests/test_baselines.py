@@ -435,25 +435,3 @@ def test_plots_name_the_eval_extra_when_matplotlib_is_missing(monkeypatch):
         plot_niah(rows, "/nonexistent")
 
 
-# ---------------------------------------------------------------- refusals
-@pytest.mark.parametrize("method,options,error,match", [
-    ("h2o", {"budget": 2.5}, ValueError, "whole count"),
-    ("h2o", {"budget": 0}, ValueError, "budget"),
-    ("scissorhands", {"history": 80}, ValueError, "history"),
-    ("kivi", {"bits": 3}, ValueError, "one of"),
-    ("kivi", {"group": 48}, NotImplementedError, "head size"),
-    ("turboquant", {"key_bits": 5}, ValueError, "one of"),
-    ("hf-quantized", {"backend": "fp8"}, ValueError, "one of"),
-])
-def test_bad_options_are_refused(method, options, error, match):
-    with pytest.raises(error, match=match):
-        kvshrink.make_cache(method, wide_model(), **options)
-
-
-def test_eviction_refuses_beam_search():
-    model = wide_model()
-    (ids,) = prompts([20])
-    with pytest.raises(NotImplementedError, match="beam search|expanding the batch"):
-        model.generate(input_ids=ids[None], attention_mask=torch.ones(1, 20, dtype=torch.long),
-                       past_key_values=kvshrink.make_cache("h2o", model), num_beams=2, max_new_tokens=3,
-                       pad_token_id=0)

@@ -183,7 +183,7 @@ def test_keys_keep_one_component_per_four_bits_of_budget_unless_rank_is_given(ke
 
 
 def test_global_key_budget_follows_spectra():
-    from kvshrink.methods.shard import allocate_layer_budgets
+    from kvshrink.methods.shard.calibration import allocate_layer_budgets
 
     dim = 32
     steep = torch.tensor([0.5 ** i for i in range(dim)])  # very low-rank layer
@@ -231,7 +231,7 @@ def test_query_weighted_keys_store_a_per_channel_scale_from_the_queries():
 
 
 def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exact():
-    from kvshrink.methods.shard import pick_salient
+    from kvshrink.methods.shard.salient import pick_salient
     from kvshrink.methods.shard.salient import observed_importance
 
     g = torch.Generator().manual_seed(0)

@@ -147,15 +147,55 @@ def test_the_coefficient_decoder_reads_every_run_layout():
                     torch.testing.assert_close(keys, code.decode()[:, 5:], atol=1e-5, rtol=1e-5)
 
 
-def test_kernel_option_is_validated_and_without_numba_the_torch_ops_decode(monkeypatch):
+def test_kernel_option_is_validated():
     model = tiny_llama()
     with pytest.raises(ValueError, match="kernel"):
         kvshrink.make_cache("shard", model, kernel="gpu")
     q = torch.zeros(1, 4, 1, 16)
     assert kvshrink.make_cache("shard", model).layers[0].use_fast_kernel(q)  # fast by default
     assert not kvshrink.make_cache("shard", model, kernel="reference").layers[0].use_fast_kernel(q)
+
+
+def _numba_kernels() -> list[str]:
+    """The public functions of `fused` that run numba code (its checks and containers excepted)."""
+    import types
+
+    plain = {"available", "unavailable_reason", "turbo_supported"}
+    return [name for name, obj in vars(fused).items()
+            if isinstance(obj, types.FunctionType) and not name.startswith("_") and name not in plain
+            and obj.__module__ == fused.__name__]
+
+
+def test_without_numba_a_default_cache_decodes_with_the_torch_ops_as_the_numba_path_does(monkeypatch):
+    """Without numba (``fused.available()`` false) a default Shard cache prefills and decodes (middle blocks,
+    ring, stream) with the torch ops alone: every numba entry point is made to raise, and the greedy tokens
+    and logits are those of the numba path up to float32 summation order."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    options = dict(sinks=4, window=16)
+
+    def run(cache):
+        logits, token = [], ids
+        with torch.no_grad():
+            out = model(ids, past_key_values=cache)
+            for _ in range(24):                       # past the window: tokens leave the ring for the stream
+                logits.append(out.logits[:, -1])
+                token = out.logits[:, -1:].argmax(-1)
+                out = model(token, past_key_values=cache)
+        assert cache.layers[0].middle and cache.layers[0].stream.n
+        return torch.cat(logits)
+
+    want = run(kvshrink.make_cache("shard", model, **options))
     monkeypatch.setattr(fused, "numba", None)
-    assert not kvshrink.make_cache("shard", model, sinks=4, window=16).layers[0].use_fast_kernel(q)
+    for name in _numba_kernels():
+        def refuse(*args, _name=name, **kwargs):
+            raise AssertionError(f"fused.{_name} ran without numba")
+        monkeypatch.setattr(fused, name, refuse)
+    cache = kvshrink.make_cache("shard", model, **options)
+    assert not cache.layers[0].use_fast_kernel(torch.zeros(1, 4, 1, 16))
+    got = run(cache)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):

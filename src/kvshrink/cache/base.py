@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvshrink.cache.attention import Partial, causal_chunk_attention, exact_partial, merge_partials, self_partial
+from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
 from kvshrink.cache.store import fp16_kv_bytes, held_bytes
 from kvshrink.kernels.deferred import DEFERRED_CHECK_EVERY, defer_nan, raise_deferred
 from kvshrink.kernels.backend import gpu_path
@@ -280,16 +281,25 @@ class CacheLayer(CacheLayerMixin):
     def prefetch(self):
         pass
 
-    # ---- fork / save / load (cache/persist.py) --------------------------------------------------------
-    # A layer is copied (``copy.deepcopy``) and saved (cache/persist.py) through its ``__getstate__``:
-    # a method whose layer holds derived state (tables, masks) or resources (threads, files) overrides
-    # ``__getstate__``/``__setstate__`` to leave them out, and rebuilds derived state in ``after_load``.
+    # ---- fork (copy.deepcopy) -----------------------------------------------------------------------
+    # A layer is copied through its ``__getstate__``: a method whose layer holds derived state (tables,
+    # masks) or resources (threads, files) overrides ``__getstate__``/``__setstate__`` to leave them out.
     def shared_on_fork(self) -> list[Any]:
         """Objects a fork may share with its parent instead of copying: never modified once made."""
         return []
 
-    def after_load(self) -> None:
-        """Called on every layer once a saved cache is rebuilt (rebuild derived state here)."""
+    # ---- save / load (cache/persist.py, cache/record.py) ---------------------------------------------
+    # A method whose caches can be saved writes its layer's state as a `Record` (named tensors, JSON
+    # metadata, parts) and reads it back into a layer freshly made from the same options: what the
+    # options and the model determine (quantizers, bases of rotations, budgets) is made, not stored.
+    def to_record(self) -> Record:
+        """This layer's stored state (see cache/record.py)."""
+        raise NotImplementedError(f"kvshrink: saving a '{self.method_name}' cache is not supported")
+
+    def load_record(self, reader: RecordReader) -> None:
+        """Restore the state `to_record` wrote into this freshly made layer (RecordError when it does not
+        match the layer's schema)."""
+        raise NotImplementedError(f"kvshrink: loading a '{self.method_name}' cache is not supported")
 
 
 def _preview(ids: torch.Tensor, shown: int = 6) -> str:
@@ -341,13 +351,12 @@ class KVShrinkCache(CacheAccounting, Cache):
     """A transformers ``Cache`` whose layers compute attention from their own (compressed) stores."""
 
     def __init__(self, method: str, options: dict[str, Any], info: ModelInfo,
-                 layer_factory: Callable[[LayerSpec], CacheLayer], multi_turn: bool = False):
+                 layer_factory: Callable[[LayerSpec], CacheLayer]):
         layers = [layer_factory(LayerSpec(i, info)) for i in range(info.num_layers)]
         super().__init__(layers=layers)
         self.method = method
         self.options = dict(options)
         self.info = info
-        self.multi_turn = multi_turn  # accepted for old callers; a no-op (continuations are recognised by token ids)
         self._clear_bookkeeping()
 
     def _clear_bookkeeping(self) -> None:
@@ -364,6 +373,32 @@ class KVShrinkCache(CacheAccounting, Cache):
         state = dict(self.__dict__)
         state["_ctx"] = None  # one step's context (holds the model's rotary module): rebuilt next step
         return state
+
+    # ---- save / load: the cache's own record, its layers' as parts (cache/record.py) ----------------
+    RECORD = Schema(tensors=(TensorSpec("pad_len", "b", optional=True), TensorSpec("offset", "b", "int64", optional=True),
+                             TensorSpec("token_ids", "b n", "int64", optional=True)),
+                    meta=("batch", "decode_steps", "ids_known"), parts=("layers",))
+
+    def to_record(self) -> Record:
+        return Record(meta={"batch": self._batch, "decode_steps": self.decode_steps, "ids_known": self._ids_known},
+                      tensors={"pad_len": self._pad_len, "offset": self._offset, "token_ids": self._token_ids},
+                      parts={"layers": [layer.to_record() for layer in self.layers]})
+
+    def load_record(self, reader: RecordReader) -> None:
+        """Restore a saved cache's state into this cache, just made by ``make_cache`` with its method and options."""
+        reader.bind(H=self.info.num_kv_heads, D=self.info.head_dim)
+        fields = self.RECORD.read(reader)
+        layers = reader.parts("layers")
+        reader.check(len(layers) == len(self.layers), f"holds {len(layers)} layers, the model has {len(self.layers)}")
+        rows = layers[0].list_length("rows") if layers else 0
+        if rows:  # a batch whose rows were compressed apart (cache/rowwise.py)
+            self._split_rows(rows)
+        for layer, layer_reader in zip(self.layers, layers):
+            layer.load_record(layer_reader)
+        self._batch, self.decode_steps, self._ids_known = fields["batch"], fields["decode_steps"], fields["ids_known"]
+        self._pad_len, self._offset, self._token_ids = fields["pad_len"], fields["offset"], fields["token_ids"]
+        reader.check(self._token_ids is None or self._token_ids.shape[1] == self.get_seq_length(),
+                     "its token ids do not match the tokens its layers hold")
 
     def fork(self) -> "KVShrinkCache":
         """A copy that shares the parent's immutable compressed blocks (``CacheLayer.shared_on_fork``) and

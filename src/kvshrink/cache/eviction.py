@@ -16,6 +16,7 @@ import torch
 
 from kvshrink.cache.attention import Partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.record import Record, RecordReader, TensorSpec, dtype_name
 from kvshrink.cache.registry import option
 from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes
 
@@ -185,6 +186,17 @@ class ScoredEvictionLayer(CacheLayer):
         self.store.reset()
         self.score = None
         self.evicted = 0
+
+    def to_record(self) -> Record:
+        return Record(meta={"seen": self.seen, "evicted": self.evicted}, tensors={"score": self.score},
+                      parts={"store": self.store.to_record()})
+
+    def load_record(self, reader: RecordReader) -> None:
+        self.seen, self.evicted = reader.meta("seen"), reader.meta("evicted")
+        self.store.load_record(reader.part("store"), self.info.dtype)
+        # one statistic per stored token of each one-head row
+        n = len(self.store)
+        self.score = reader.tensor(TensorSpec("score", f"* {n}", dtype_name(self.score_dtype), optional=True))
 
 
 def select_per_row(score: torch.Tensor, keep: torch.Tensor, recent: torch.Tensor,

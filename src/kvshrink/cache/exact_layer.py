@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from kvshrink.cache.attention import exact_kernel_trusted
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.record import Record, RecordReader
 from kvshrink.cache.store import ExactStore, partial_or_none
 from kvshrink.kernels.backend import gpu_path
 
@@ -81,3 +82,10 @@ class ExactLayer(CacheLayer):
 
     def clear(self) -> None:
         self.store.reset()
+
+    def to_record(self) -> Record:
+        return Record(meta={"seen": self.seen}, parts={"store": self.store.to_record()})
+
+    def load_record(self, reader: RecordReader) -> None:
+        self.seen = reader.meta("seen")
+        self.store.load_record(reader.part("store"), self.info.dtype)

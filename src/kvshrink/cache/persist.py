@@ -1,63 +1,44 @@
-"""Save a kvshrink cache to one file and load it back (``cache.save(path)``, ``kvshrink.load_cache``).
+"""Save a kvshrink cache and load it back: one file (``cache.save(path)``, ``kvshrink.load_cache``) or bytes
+(``cache_to_bytes``, ``cache_from_bytes``: what a store of caches keeps). The format: docs/persistence.md.
 
-The file is a safetensors file: every tensor the cache holds, plus one JSON metadata entry with the
-format version, the kvshrink version, method and options, a fingerprint of the model (its config
-and a hash of some of its weights), dtype, token count, a hash of the prefix token ids, and the
-cache's object structure. A SHA-256 over that JSON and every tensor's bytes detects a truncated or
-corrupted file.
+The bytes are a safetensors file: the cache's tensors under flat names (``layers.3.middle.0.v_codes``) and
+one JSON metadata entry: format and kvshrink versions, method and options, the model's fingerprint
+(`kvshrink.identity`), dtype, token count, a hash of the prefix token ids, each tensor's dtype, shape,
+device and coding, and the record tree (each object's metadata and parts, `cache.record`). Nothing in it
+names a class: loading makes a cache with ``make_cache(method, model, **options)`` and each layer reads
+its own record by its method's schema, refusing a missing, extra or misshapen tensor by name.
 
-The structure is written by a generic walk, not per method: a layer is its ``__getstate__`` (see
-``CacheLayer``), recursively; tensors, dtypes, lists, tuples, dicts, plain values and objects of
-kvshrink classes are stored, anything else is refused naming where it sits. Loading only ever
-instantiates kvshrink classes (``cls.__new__`` + ``__setstate__``): no pickle, no code from the file.
-
-By default each tensor is stored entropy coded when that makes it smaller (`cache.file_codec`: the
-metadata's ``encodings`` names the codec, dtype and shape of each such tensor); the checksum covers
-the stored bytes, so a corrupted file is refused before anything is decoded, and each decoded tensor
-must have exactly the size its entry names. Version 1 files (no coding) are still read.
+A SHA-256 over the JSON and every stored tensor's bytes detects a truncated or corrupted file. By default
+each tensor is stored entropy coded when that makes it smaller (`cache.file_codec`); the checksum covers
+the stored bytes, so a corrupted file is refused before anything is decoded, and each decoded tensor must
+have exactly the dtype and shape its entry names. Files of another format version are refused by name.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvshrink.cache.base import CacheAccounting, KVShrinkCache, ModelInfo
+from kvshrink.cache.base import CacheAccounting, KVShrinkCache
 from kvshrink.cache.file_codec import FileCodecError, decode_tensor, encode_tensor, tensor_bytes
+from kvshrink.cache.record import RecordError, RecordReader, dtype_name, dtype_of, flatten, unread_tensors
+from kvshrink.identity import model_fingerprint
 
 FORMAT = "kvshrink-cache"
-FORMAT_VERSION = 2  # 2: tensors may be entropy coded (``encodings``)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
 _META_KEY = "kvshrink"
 _CHECK_KEY = "sha256"
-# Config entries that do not change what the model computes (paths, versions, generation defaults).
-_CONFIG_IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
-                   "_commit_hash", "use_cache", "_attn_implementation_autoset", "_attn_implementation"}
-_WEIGHT_SAMPLE = 1 << 16  # elements hashed from each of a few parameters
 
 
 class CacheFileError(ValueError):
     """A cache file that cannot be loaded: missing, corrupted, another format, or another model."""
-
-
-# ----------------------------------------------------------------------------------------------- fingerprints
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's config and of a sample of its first, middle and last parameters."""
-    h = hashlib.sha256()
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _CONFIG_IGNORED}
-    h.update(json.dumps(config, sort_keys=True, default=str).encode())
-    params = [p for _, p in model.named_parameters()]
-    for p in (params[0], params[len(params) // 2], params[-1]):
-        sample = p.detach().reshape(-1)[:_WEIGHT_SAMPLE].float().cpu().contiguous()
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()
 
 
 def token_ids_hash(ids: torch.Tensor | None) -> str | None:
@@ -76,183 +57,68 @@ def _checksum(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-# ----------------------------------------------------------------------------------------------- encode
-class _Encoder:
-    """Turns an object graph into JSON-able data, collecting tensors (shared objects stored once)."""
-
-    def __init__(self):
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._tensor_names: dict[int, str] = {}
-        self._object_ids: dict[int, int] = {}
-        self._keep_alive: list[Any] = []  # ids stay unique while the walk runs
-        self.devices: dict[str, str] = {}  # tensor name -> device type it came from ("cpu" stays there)
-
-    def encode(self, obj: Any, path: str) -> Any:
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        if isinstance(obj, torch.Tensor):
-            return {"tensor": self._tensor(obj)}
-        if isinstance(obj, torch.dtype):
-            return {"dtype": str(obj).removeprefix("torch.")}
-        if isinstance(obj, torch.device):
-            return {"device": obj.type}
-        if isinstance(obj, ModelInfo):
-            return {"model_info": True}
-        if isinstance(obj, (list, tuple)):
-            kind = "list" if isinstance(obj, list) else "tuple"
-            return {kind: [self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        if isinstance(obj, dict):
-            return {"dict": [[self.encode(k, f"{path}.key"), self.encode(v, f"{path}[{k!r}]")] for k, v in obj.items()]}
-        if type(obj).__module__.startswith("kvshrink."):
-            return self._object(obj, path)
-        raise TypeError(f"kvshrink: cannot save {type(obj).__module__}.{type(obj).__qualname__} held at {path}")
-
-    def _tensor(self, t: torch.Tensor) -> str:
-        name = self._tensor_names.get(id(t))
-        if name is None:
-            name = f"t{len(self.tensors)}"
-            self._tensor_names[id(t)] = name
-            self._keep_alive.append(t)
-            data = t.detach()
-            if data.is_complex():
-                raise TypeError("kvshrink: cannot save a complex tensor (not supported by safetensors)")
-            # clone: safetensors refuses tensors sharing storage; the file holds exactly the elements used
-            self.tensors[name] = data.to("cpu", copy=True).contiguous()
-            self.devices[name] = t.device.type
-        return name
-
-    def _object(self, obj: Any, path: str) -> dict:
-        known = self._object_ids.get(id(obj))
-        if known is not None:
-            return {"ref": known}
-        ident = len(self._object_ids)
-        self._object_ids[id(obj)] = ident
-        self._keep_alive.append(obj)
-        state = obj.__getstate__() if hasattr(obj, "__getstate__") else obj.__dict__
-        cls = type(obj)
-        return {"obj": f"{cls.__module__}:{cls.__qualname__}", "id": ident,
-                "state": self.encode(state if state is not None else {}, path)}
-
-
-# ----------------------------------------------------------------------------------------------- decode
-class _Decoder:
-    def __init__(self, tensors: dict[str, torch.Tensor], devices: dict[str, str], info: ModelInfo,
-                 device: torch.device):
-        self.tensors = tensors
-        self.devices = devices
-        self.info = info
-        self.device = device
-        self._objects: dict[int, Any] = {}
-
-    def decode(self, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        if "tensor" in data:
-            name = data["tensor"]
-            t = self.tensors[name]
-            return t if self.devices.get(name) == "cpu" else t.to(self.device)
-        if "dtype" in data:
-            return getattr(torch, data["dtype"])
-        if "device" in data:
-            return torch.device("cpu") if data["device"] == "cpu" else self.device
-        if "model_info" in data:
-            return self.info
-        if "list" in data:
-            return [self.decode(v) for v in data["list"]]
-        if "tuple" in data:
-            return tuple(self.decode(v) for v in data["tuple"])
-        if "dict" in data:
-            return {self.decode(k): self.decode(v) for k, v in data["dict"]}
-        if "ref" in data:
-            return self._objects[data["ref"]]
-        if "obj" in data:
-            return self._object(data)
-        raise CacheFileError(f"kvshrink: unknown entry {sorted(data)} in the cache structure")
-
-    def _object(self, data: dict) -> Any:
-        cls = _kvshrink_class(data["obj"])
-        obj = cls.__new__(cls)
-        self._objects[data["id"]] = obj  # before the state: the state may refer back to it
-        state = self.decode(data["state"])
-        if hasattr(obj, "__setstate__"):
-            obj.__setstate__(state)
-        else:
-            obj.__dict__.update(state)
-        return obj
-
-
-def _kvshrink_class(name: str) -> type:
-    module, _, qualname = name.partition(":")
-    if not (module == "kvshrink" or module.startswith("kvshrink.")):
-        raise CacheFileError(f"kvshrink: the cache file names a class outside kvshrink ({name}); refused")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise CacheFileError(f"kvshrink: the cache file names {name}, which this kvshrink version lacks")
-    if not isinstance(obj, type):
-        raise CacheFileError(f"kvshrink: {name} in the cache file is not a class")
-    return obj
-
-
-# ----------------------------------------------------------------------------------------------- save
 def _version() -> str:
     import kvshrink
 
     return kvshrink.__version__
 
 
-def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.Module | None = None,
-               extra: dict[str, Any] | None = None, entropy: bool = True) -> None:
-    """Write ``cache`` to ``path`` atomically (a temporary file in the same folder, then renamed).
+# ----------------------------------------------------------------------------------------------- save
+def cache_to_bytes(cache, model=None, extra=None, entropy=True) -> bytes:
+    """``cache`` as the bytes of a cache file.
 
     ``model`` (optional) records the model's fingerprint; without it the fingerprint recorded when the
     cache was made is used. ``extra`` is stored as is (JSON) in the metadata (e.g. the CLI's prompt format).
     ``entropy`` stores each tensor losslessly coded when that makes it smaller (`cache.file_codec`); with
-    ``entropy=False`` the file holds the tensors as in memory (faster to write and read, larger).
+    ``entropy=False`` the tensors are stored as in memory (faster to write and read, larger).
     """
+    from safetensors.torch import save
+
     if not isinstance(cache, KVShrinkCache):
         raise NotImplementedError(f"kvshrink: saving a '{getattr(cache, 'method', type(cache).__name__)}' cache "
                                   "is not supported (only caches built from kvshrink layers can be saved)")
     if any(layer._pending is not None for layer in cache.layers):
         raise RuntimeError("kvshrink: cannot save a cache in the middle of a forward step")
-    encoder = _Encoder()
-    structure = encoder.encode(cache.__getstate__(), "cache")
-    stored, encodings = _encoded(encoder.tensors) if entropy else (encoder.tensors, {})
     fingerprint = model_fingerprint(model) if model is not None else getattr(cache, "model_fingerprint", None)
     if fingerprint is None:
         raise ValueError("kvshrink: this cache does not know its model; pass model= to save_cache")
+    held: dict[str, torch.Tensor] = {}
+    tree = flatten(cache.to_record(), "", held)
+    stored, table = {}, {}
+    for name, t in held.items():
+        if t.is_complex():
+            raise TypeError(f"kvshrink: cannot save the complex tensor {name} (not supported by safetensors)")
+        # a copy: safetensors refuses tensors sharing storage, and the file holds exactly the elements used
+        data = t.detach().to("cpu", copy=True).contiguous()
+        stored[name], encoding = encode_tensor(data) if entropy else (data, None)
+        table[name] = {"dtype": dtype_name(data.dtype), "shape": list(data.shape),
+                       "device": "cpu" if t.device.type == "cpu" else "model",
+                       "codec": None if encoding is None else encoding["codec"]}
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kvshrink_version": _version(),
-        "method": cache.method, "options": cache.options, "multi_turn": cache.multi_turn,
-        "model": fingerprint, "dtype": str(cache.info.dtype).removeprefix("torch."),
-        "tokens": cache.get_seq_length(), "prefix_ids_sha256": token_ids_hash(cache.token_ids),
-        "nbytes": cache.nbytes(), "tensor_devices": encoder.devices, "structure": structure,
-        "encodings": encodings, "extra": extra or {},
+        "method": cache.method, "options": cache.options, "model": fingerprint,
+        "dtype": dtype_name(cache.info.dtype), "tokens": cache.get_seq_length(),
+        "prefix_ids_sha256": token_ids_hash(cache.token_ids), "nbytes": cache.nbytes(),
+        "tensors": table, "cache": tree, "extra": extra or {},
     }
     meta_json = json.dumps(meta, sort_keys=True)
-    _write_atomic(Path(path), stored, {_META_KEY: meta_json, _CHECK_KEY: _checksum(meta_json, stored)})
+    return save(stored, metadata={_META_KEY: meta_json, _CHECK_KEY: _checksum(meta_json, stored)})
 
 
-def _encoded(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """``(tensors as stored, encoding of each coded one)``: see `cache.file_codec`."""
-    stored, encodings = {}, {}
-    for name, t in tensors.items():
-        stored[name], encoding = encode_tensor(t)
-        if encoding is not None:
-            encodings[name] = encoding
-    return stored, encodings
+def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.Module | None = None,
+               extra: dict[str, Any] | None = None, entropy: bool = True) -> None:
+    """Write ``cache`` to ``path`` atomically (a temporary file in the same folder, then renamed); the
+    arguments are `cache_to_bytes`'."""
+    _write_atomic(Path(path), cache_to_bytes(cache, model=model, extra=extra, entropy=entropy))
 
 
-def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
+def _write_atomic(path: Path, data: bytes) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb+") as fh:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a partial one
     except BaseException:
@@ -260,80 +126,130 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         raise
 
 
-# ----------------------------------------------------------------------------------------------- load
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The checked metadata of a cache file (no tensors are moved to the model)."""
-    return _read(path)[0]
-
-
-def _read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"kvshrink: no cache file {str(path)!r}")
+# ----------------------------------------------------------------------------------------------- read
+def _header_metadata(data: bytes, source: str) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes (the library reads it from files only)."""
     try:
-        with safe_open(str(path), framework="pt") as fh:
-            metadata = fh.metadata() or {}
-        tensors = load_file(str(path))
+        (size,) = struct.unpack("<Q", data[:8])
+        if not 8 < 8 + size <= len(data):
+            raise ValueError("header size out of range")
+        metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
+    except (struct.error, ValueError, AttributeError, UnicodeDecodeError) as err:
+        raise CacheFileError(f"kvshrink: {source} is truncated or corrupted (not a readable cache file: {err})") from None
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _read(data: bytes, source: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The checked metadata and the stored tensors (as stored: coded ones still coded)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    metadata = _header_metadata(data, source)
+    try:
+        tensors = load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CacheFileError(f"kvshrink: {path} is truncated or corrupted (not a readable cache file: {err})") from None
+        raise CacheFileError(f"kvshrink: {source} is truncated or corrupted (not a readable cache file: {err})") from None
     if _META_KEY not in metadata or _CHECK_KEY not in metadata:
-        raise CacheFileError(f"kvshrink: {path} is a safetensors file but not a kvshrink cache")
+        raise CacheFileError(f"kvshrink: {source} is a safetensors file but not a kvshrink cache")
     if _checksum(metadata[_META_KEY], tensors) != metadata[_CHECK_KEY]:
-        raise CacheFileError(f"kvshrink: {path} is corrupted (checksum mismatch); refusing to load it")
+        raise CacheFileError(f"kvshrink: {source} is corrupted (checksum mismatch); refusing to load it")
     meta = json.loads(metadata[_META_KEY])
-    if meta.get("format") != FORMAT:
-        raise CacheFileError(f"kvshrink: {path} is not a kvshrink cache file")
-    if meta.get("format_version") not in READABLE_VERSIONS:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CacheFileError(f"kvshrink: {source} is not a kvshrink cache file")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
         raise CacheFileError(
-            f"kvshrink: {path} has cache format version {meta.get('format_version')} (written by kvshrink "
-            f"{meta.get('kvshrink_version')}); this kvshrink ({_version()}) reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}")
+            f"kvshrink: {source} was written by cache format {version} (kvshrink {meta.get('kvshrink_version')}); "
+            f"this kvshrink ({_version()}) reads format {FORMAT_VERSION}. Compress the document again with this "
+            "version.")
     return meta, tensors
 
 
-def _decoded(meta: dict[str, Any], stored: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
-    """The tensors of a checked file, coded ones decoded (each to exactly the size its entry names)."""
-    tensors = dict(stored)
-    for name, encoding in meta.get("encodings", {}).items():
-        if name not in stored:
-            raise CacheFileError(f"kvshrink: {path} lists an encoding for tensor {name!r}, which it lacks")
+def read_metadata_bytes(data: bytes) -> dict[str, Any]:
+    """The checked metadata of a cache file's bytes (no tensor is decoded)."""
+    return _read(data, "<bytes>")[0]
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The checked metadata of a cache file (no tensor is decoded)."""
+    return _read(_file_bytes(path), str(path))[0]
+
+
+def _file_bytes(path: str | os.PathLike) -> bytes:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"kvshrink: no cache file {str(path)!r}")
+    return path.read_bytes()
+
+
+def _decoded(meta: dict[str, Any], stored: dict[str, torch.Tensor], source: str,
+             device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of a checked file, coded ones decoded, each exactly the dtype and shape its entry names,
+    on the model's device unless it was held on the CPU."""
+    table = meta.get("tensors")
+    if not isinstance(table, dict) or set(table) != set(stored):
+        listed = set(table) if isinstance(table, dict) else set()
+        raise CacheFileError(f"kvshrink: {source} is corrupted: its tensor table does not list its tensors "
+                             f"(unlisted: {sorted(set(stored) - listed)[:5]}, absent: {sorted(listed - set(stored))[:5]})")
+    tensors = {}
+    for name, entry in table.items():
         try:
-            tensors[name] = decode_tensor(stored[name], encoding)
-        except FileCodecError as err:
-            raise CacheFileError(f"kvshrink: {path} is corrupted: tensor {name!r} {err}; refusing to load it") from None
+            t = stored[name] if entry.get("codec") is None else decode_tensor(stored[name], entry)
+            if t.dtype != dtype_of(entry.get("dtype")) or list(t.shape) != entry.get("shape"):
+                raise FileCodecError(f"is {dtype_name(t.dtype)} {list(t.shape)}, its entry says "
+                                     f"{entry.get('dtype')} {entry.get('shape')}")
+        except (FileCodecError, RecordError, AttributeError) as err:
+            raise CacheFileError(f"kvshrink: {source} is corrupted: tensor {name!r} {err}; refusing to load it") from None
+        tensors[name] = t if entry.get("device") == "cpu" else t.to(device)
     return tensors
 
 
-def check_model(meta: dict[str, Any], model: torch.nn.Module, path: str | os.PathLike) -> None:
+def check_model(meta: dict[str, Any], model: torch.nn.Module, source: str | os.PathLike) -> None:
     """Refuse a model other than the one the cache was made with (config, weights, dtype)."""
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = dtype_name(next(model.parameters()).dtype)
     if meta["dtype"] != dtype:
-        raise CacheFileError(f"kvshrink: {path} was made with the model in {meta['dtype']}, this model is in {dtype}")
+        raise CacheFileError(f"kvshrink: {source} was made with the model in {meta['dtype']}, this model is in {dtype}")
     if meta["model"] != model_fingerprint(model):
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        raise CacheFileError(f"kvshrink: {path} was made with another model (config or weights differ from "
+        raise CacheFileError(f"kvshrink: {source} was made with another model (config or weights differ from "
                              f"{name!r}); load it with the model that made it")
+
+
+def cache_from_bytes(data: bytes, model, source: str = "<bytes>") -> KVShrinkCache:
+    """The cache whose bytes `cache_to_bytes` wrote, rebuilt for ``model`` (the model that made it).
+
+    Raises ``CacheFileError`` (a ValueError) for corrupted or truncated bytes, another format version,
+    another model, or a record that does not match this kvshrink's schema of the method; ``source`` names
+    the bytes in messages."""
+    from kvshrink.cache.registry import make_cache
+
+    meta, stored = _read(data, source)
+    check_model(meta, model, source)
+    tensors = _decoded(meta, stored, source, next(model.parameters()).device)
+    cache = make_cache(meta["method"], model, **meta["options"])
+    read: set[str] = set()
+    try:
+        reader = RecordReader(meta.get("cache"), "", tensors, {}, read)
+        cache.load_record(reader)
+        reader.check_all_read()
+        extra = unread_tensors(tensors, read)
+        if extra:
+            raise RecordError(f"tensors {extra[:5]} are not part of this kvshrink's schema")
+        reader.check(cache.get_seq_length() == meta["tokens"], f"it holds {cache.get_seq_length()} tokens, its "
+                     f"metadata says {meta['tokens']}")
+    except (RecordError, KeyError, TypeError) as err:
+        cache.close()
+        raise CacheFileError(f"kvshrink: {source} does not match this kvshrink's '{meta['method']}' cache schema: "
+                             f"{err}") from None
+    cache.model_fingerprint = meta["model"]
+    return cache
 
 
 def load_cache(path: str | os.PathLike, model: torch.nn.Module) -> KVShrinkCache:
     """The cache saved at ``path``, rebuilt for ``model`` (which must be the model that made it).
 
     Raises FileNotFoundError for a missing file and ``CacheFileError`` (a ValueError) for a corrupted or
-    truncated file, another format version, or another model.
+    truncated file, another format version, another model, or a record that does not match the method's
+    schema.
     """
-    from kvshrink.cache.registry import make_cache
-
-    meta, stored = _read(path)
-    check_model(meta, model, path)
-    tensors = _decoded(meta, stored, path)
-    cache = make_cache(meta["method"], model, multi_turn=meta["multi_turn"], **meta["options"])
-    device = next(model.parameters()).device
-    state = _Decoder(tensors, meta["tensor_devices"], cache.info, device).decode(meta["structure"])
-    cache.__dict__.update(state)
-    cache.model_fingerprint = meta["model"]
-    for layer in cache.layers:
-        layer.after_load()
-    return cache
+    return cache_from_bytes(_file_bytes(path), model, source=str(path))

@@ -7,6 +7,7 @@ import torch
 
 from kvshrink.cache.attention import Partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.record import Record, RecordReader
 from kvshrink.cache.store import ExactStore, exact_storage_dtype, partial_or_none
 
 
@@ -55,3 +56,20 @@ class ExactResidualLayer(CacheLayer):
         self.tail.reset()
         self.clear_codes()
         self.quantized = 0
+
+    # ---- save / load: the tail here, the codes by the subclass (cache/record.py) --------------------
+    def codes_record(self) -> dict[str, Record | None]:
+        """The parts holding the quantized tokens' codes."""
+        raise NotImplementedError
+
+    def load_codes(self, reader: RecordReader) -> None:
+        raise NotImplementedError
+
+    def to_record(self) -> Record:
+        return Record(meta={"seen": self.seen, "quantized": self.quantized},
+                      parts={"tail": self.tail.to_record(), **self.codes_record()})
+
+    def load_record(self, reader: RecordReader) -> None:
+        self.seen, self.quantized = reader.meta("seen"), reader.meta("quantized")
+        self.tail.load_record(reader.part("tail"), self.info.dtype)
+        self.load_codes(reader)

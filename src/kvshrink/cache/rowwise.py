@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvshrink.cache.base import CacheLayer, StepContext, _sum_dicts
+from kvshrink.cache.record import Record, RecordReader
 
 
 def row_context(ctx: StepContext, row: int) -> StepContext | None:
@@ -88,7 +89,13 @@ class RowSplitLayer(CacheLayer):
     def shared_on_fork(self) -> list:
         return [obj for layer in self.rows for obj in layer.shared_on_fork()]
 
-    def after_load(self) -> None:
-        for layer in self.rows:
-            layer.after_load()
+    def to_record(self) -> Record:
+        return Record(meta={"seen": self.seen}, parts={"rows": [layer.to_record() for layer in self.rows]})
+
+    def load_record(self, reader: RecordReader) -> None:
+        self.seen = reader.meta("seen")
+        rows = reader.parts("rows")
+        reader.check(len(rows) == len(self.rows), f"holds {len(rows)} rows, the cache's batch has {len(self.rows)}")
+        for layer, row in zip(self.rows, rows):
+            layer.load_record(row)
 

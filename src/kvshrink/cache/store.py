@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
+from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec, dtype_name
 from kvshrink.kernels.backend import gpu_path
 from kvshrink.kernels.deferred import FP16_MAX, FP16_OVERFLOW, defer_peak, peak_magnitude, storage_overflow_check
 
@@ -223,6 +224,26 @@ class ExactStore:
 
     def nbytes(self) -> int:
         return held_bytes(self.tensors())
+
+    # ---- save / load (cache/record.py) ------------------------------------------------------------
+    RECORD = Schema(tensors=(TensorSpec("keys", "b h n D", optional=True), TensorSpec("values", "b h n D", optional=True),
+                             TensorSpec("index", "b n", "int32", optional=True)),
+                    meta=("start",))
+
+    def to_record(self) -> Record:
+        return self.RECORD.write(self)
+
+    def load_record(self, reader: RecordReader, model_dtype: torch.dtype) -> None:
+        """Restore a stored store into this empty one (of the dtype the method's options give it)."""
+        fields = self.RECORD.read(reader)
+        keys, values, index = fields["keys"], fields["values"], fields["index"]
+        reader.check((keys is None) == (values is None), "keys and values are stored together")
+        reader.check(keys is not None or index is None, "an empty store holds no token indices")
+        want = self.dtype or model_dtype
+        reader.check(keys is None or keys.dtype == values.dtype == want,
+                     f"holds {dtype_name(keys.dtype) if keys is not None else ''} tokens; this store keeps "
+                     f"{dtype_name(want)}")
+        self.keys, self.values, self.index, self.start = keys, values, index, fields["start"]
 
 
 def partial_or_none(store: ExactStore, query: torch.Tensor, scaling: float,

@@ -106,8 +106,7 @@ class HFQuantizedOptions:
     residual: int = option(128, "exact residual length before re-quantizing (transformers' residual_length)", low=1)
 
 
-def build_hf_quantized(model: torch.nn.Module, info: ModelInfo, multi_turn: bool = False,
-                       **options: Any) -> MeasuredQuantizedCache:
+def build_hf_quantized(model: torch.nn.Module, info: ModelInfo, **options: Any) -> MeasuredQuantizedCache:
     opts = HFQuantizedOptions(**options)
     require_backend(opts.backend)
     # The model keeps (or gets back) ordinary attention: this cache returns plain dequantized tensors,

@@ -18,10 +18,12 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import LayerSpec, StepContext
+from kvshrink.cache.record import RecordReader
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.residual_layer import ExactResidualLayer
 from kvshrink.cache.store import DEQUANT_BLOCK, held_bytes
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
+from kvshrink.methods.code_records import group_code_record, read_group_code
 
 def fill_padding(x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """A copy of ``x [B, H, q, d]`` (this step's tokens) whose left-padding tokens repeat the row's first
@@ -104,6 +106,22 @@ class KiviLayer(ExactResidualLayer):
     def quantize(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.key_codes = _cat_codes(self.key_codes, quantize_groups(key.transpose(-1, -2), self.bits, self.group), -1)
         self.value_codes = _cat_codes(self.value_codes, quantize_groups(value, self.bits, self.group), 2)
+
+    # keys: scale [B, H, d, token groups]; values: scale [B, H, tokens, d // group]
+    _KEY_LEAD, _VALUE_LEAD = "b H D", "b H n"
+
+    def codes_record(self):
+        return {"key_codes": None if self.key_codes is None else group_code_record(self.key_codes, self._KEY_LEAD),
+                "value_codes": None if self.value_codes is None else group_code_record(self.value_codes, self._VALUE_LEAD)}
+
+    def load_codes(self, reader: RecordReader) -> None:
+        keys, values = reader.part("key_codes", optional=True), reader.part("value_codes", optional=True)
+        reader.check((keys is None) == (values is None) == (self.quantized == 0),
+                     "key and value codes are stored together, for the quantized tokens")
+        if keys is not None:
+            self.key_codes, self.value_codes = read_group_code(keys, self._KEY_LEAD), read_group_code(values, self._VALUE_LEAD)
+            reader.check(self.value_codes.codes.shape[2] == self.quantized == self.key_codes.scale.shape[-1] * self.group,
+                         f"its codes do not hold the {self.quantized} quantized tokens")
 
     def _code_tensors(self) -> list[torch.Tensor]:
         return [t for c in (self.key_codes, self.value_codes) if c is not None for t in c.tensors()]

@@ -19,10 +19,12 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import LayerSpec, StepContext
+from kvshrink.cache.record import RecordReader
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.residual_layer import ExactResidualLayer
 from kvshrink.cache.store import DEQUANT_BLOCK, held_bytes
 from kvshrink.codecs.lloyd_max import TURBO_BITS, TurboCode, TurboQuantizer
+from kvshrink.methods.code_records import read_turbo_code, turbo_code_record
 
 
 @dataclass
@@ -67,6 +69,17 @@ class TurboQuantLayer(ExactResidualLayer):
     def quantize(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.keys = TurboCode.cat(self.keys, self.key_q.encode(key))
         self.values = TurboCode.cat(self.values, self.value_q.encode(value))
+
+    def codes_record(self):
+        return {"keys": turbo_code_record(self.keys, "b H n"), "values": turbo_code_record(self.values, "b H n")}
+
+    def load_codes(self, reader: RecordReader) -> None:
+        self.keys = read_turbo_code(reader.part("keys", optional=True), "b H n")
+        self.values = read_turbo_code(reader.part("values", optional=True), "b H n")
+        held = [0 if c is None else c.norm.shape[-1] for c in (self.keys, self.values)]
+        reader.check(held == [self.quantized] * 2, f"its codes do not hold the {self.quantized} quantized tokens")
+        reader.check(self.keys is None or (self.keys.qjl_norm is not None) == self.key_q.qjl,
+                     "its key codes' QJL sketch does not match the qjl option")
 
     def _codes(self) -> list[torch.Tensor]:
         return [t for c in (self.keys, self.values) if c is not None for t in c.tensors()]

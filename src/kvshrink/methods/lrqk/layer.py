@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import (
     EXACT_DTYPE_CHOICES,
@@ -148,7 +149,6 @@ class LRQKOptions:
 )
 class LRQKLayer(CacheLayer):
     split_batch_rows = True  # the low-rank factors are fitted per row
-    fast = True   # what a cache saved before the kernel option was added decodes with
     def __init__(self, spec: LayerSpec, options: LRQKOptions):
         super().__init__(spec)
         o = options
@@ -227,6 +227,41 @@ class LRQKLayer(CacheLayer):
         self._drain_prefetch()
         return {k: v for k, v in {**self.__dict__, "_pool": None, "_prefetched": None}.items()
                 if k not in ("_views", "_compiled", "_zeros")}
+
+    # ---- save / load (cache/record.py): what the prompt and the steps made; the options' fields are made --------
+    RECORD = Schema(tensors=(TensorSpec("win_k", "b H w D", optional=True), TensorSpec("win_v", "b H w D", optional=True),
+                             TensorSpec("a_k", "b f c r", optional=True),
+                             TensorSpec("b_q", "bf r D", "float32", optional=True),
+                             TensorSpec("b_k", "bf r D", "float32", optional=True),
+                             TensorSpec("gram_q", "bf D D", "float64", optional=True),
+                             TensorSpec("gram_k", "bf D D", "float64", optional=True)),
+                    meta=("seen", "a_len", "fit_objective", "counters", "step_log"), parts=("slow", "slots"))
+
+    def to_record(self) -> Record:
+        self._drain_prefetch()
+        record = self.RECORD.write(self, slow=None if self.slow is None else self.slow.to_record(),
+                                   slots=None if self.slots is None else self.slots.to_record())
+        record.meta["step_log"] = [list(step) for step in self.step_log]
+        return record
+
+    def load_record(self, reader: RecordReader) -> None:
+        fields = self.RECORD.read(reader)
+        reader.check(fields["a_k"] is None or fields["a_k"].dtype == self.factor_dtype,
+                     f"its key factors must be {self.factor_dtype} (the factor_dtype option)")
+        reader.check(fields["b_k"] is None or fields["b_k"].shape[1] == self.rank, f"its bases must have rank {self.rank}")
+        for key, value in fields.items():
+            setattr(self, key, value)
+        self.step_log = [tuple(step) for step in self.step_log]
+        slow, slots = reader.part("slow", optional=True), reader.part("slots", optional=True)
+        reader.check((slow is None) == (slots is None) == (self.win_k is None), "its tiers and window are stored together")
+        if slow is not None:
+            rows = slow.meta("rows")
+            reader.check(rows % self.info.num_kv_heads == 0, f"{rows} tier rows are not whole batch rows")
+            like = torch.empty(rows // self.info.num_kv_heads, self.info.num_kv_heads, 0, self.info.head_dim,
+                               dtype=self.info.dtype, device=self.win_k.device)
+            self._ensure_tiers(like)
+            self.slow.load_record(slow)
+            self.slots.load_record(slots)
 
     def close(self) -> None:
         """Release both tiers (deletes the disk tier's folder)."""
@@ -365,7 +400,7 @@ class LRQKLayer(CacheLayer):
         b, hq, _, d = query.shape
         hkv = self.info.num_kv_heads
         rows, device = b * hkv, self.slots.keys.device
-        if getattr(self, "_overflow", None) is None:   # (a layer saved before the GPU path lacks it)
+        if self._overflow is None:
             self._overflow = torch.zeros((), dtype=torch.bool, device=device)
         slot = selected = pending = overflow = None
         if candidates > 0:
@@ -759,7 +794,7 @@ class LRQKLayer(CacheLayer):
         tensors = (self.win_k, self.win_v, self.a_k)
         if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
             return False
-        views = self.__dict__.setdefault("_views", fused.NumpyViews())   # (absent from a layer saved before)
+        views = self.__dict__.setdefault("_views", fused.NumpyViews())   # (a copy has none: see __getstate__)
         words = tuple(views.get(name, t, half_words) for name, t in zip(("win_k", "win_v", "a_k"), tensors))
         rows, d, r = self.slots.rows, key.shape[-1], self.rank
         k_hat = self._k_hat if self._k_hat.dtype == torch.float64 else self._k_hat.double()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
 from kvshrink.cache.store import check_fp16_peak, held_bytes, to_storage
 from kvshrink.kernels.deferred import FP16_MAX
 from kvshrink.codecs import fused
@@ -244,6 +245,27 @@ class SlowTier:
         self._inflight = None
         self._staging = None
         self._views = fused.NumpyViews()
+
+    # ---- save / load (cache/record.py): the tokens held, [length, rows, 2, d] -------------------------------
+    def to_record(self) -> Record:
+        with self._lock:
+            self._settle()
+            if self._data is not None:
+                self._check(0, self.length)
+            data = None if self._data is None else self._data[: self.length]
+        return Record(meta={"rows": self.rows, "length": self.length}, tensors={"data": data})
+
+    def load_record(self, reader: RecordReader) -> None:
+        """Restore the stored tokens into this empty tier."""
+        reader.check(reader.meta("rows") == self.rows, f"holds {reader.meta('rows')} rows, this tier {self.rows}")
+        length = reader.meta("length")
+        data = reader.tensor(TensorSpec("data", f"{length} {self.rows} 2 {self.head_dim}", optional=length == 0))
+        reader.check(data is None or data.dtype == self.dtype, f"its tokens must be {self.dtype}")
+        if length:
+            self._reserve(length)
+            self.data[:length].copy_(data)
+            self._after_write(0, length)
+            self.length = length
 
     # ---- hooks for the disk tier -----------------------------------------------------------------
     def _after_write(self, start: int, stop: int) -> None:
@@ -494,6 +516,25 @@ class SlotTier:
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_views"}
+
+    # ---- save / load (cache/record.py) ---------------------------------------------------------------------
+    RECORD = Schema(tensors=(TensorSpec("keys", "r c D"), TensorSpec("values", "r c D"), TensorSpec("token", "r c", "int64"),
+                             TensorSpec("score", "r c", "float32"), TensorSpec("chosen", "r c", "bool")),
+                    meta=("step",))
+
+    def to_record(self) -> Record:
+        return self.RECORD.write(self)
+
+    def load_record(self, reader: RecordReader) -> None:
+        """Restore stored slots into these (made with the same rows, capacity and dtype)."""
+        reader.bind(R=self.rows, C=self.capacity)
+        fields = self.RECORD.read(reader)
+        for name in ("keys", "values", "token", "score", "chosen"):
+            held, stored = getattr(self, name), fields[name]
+            reader.check(stored.shape == held.shape and stored.dtype == held.dtype,
+                         f"{name} is {list(stored.shape)} {stored.dtype}; these slots hold {list(held.shape)} {held.dtype}")
+            held.copy_(stored)
+        self.step = fields["step"]
 
     def _write_rows(self, flat: torch.Tensor, fill: torch.Tensor) -> None:
         """Slot ``flat[i]`` (``row * capacity + slot``) takes K ``fill[i, 0]`` and V ``fill[i, 1]`` (the

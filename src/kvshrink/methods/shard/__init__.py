@@ -81,20 +81,13 @@ from __future__ import annotations
 import torch
 
 from kvshrink.cache.registry import register_method
-from kvshrink.methods.shard.calibration import allocate_layer_budgets, global_key_budgets
+from kvshrink.methods.shard.calibration import global_key_budgets
 from kvshrink.methods.shard.config import ShardConfig
 from kvshrink.methods.shard.layer import ShardLayer
-from kvshrink.methods.shard.salient import SalientTokens, pick_salient
-from kvshrink.methods.shard.segments import MiddleBlock, TurboSegment
 from kvshrink.methods.shard.shared import ShardShared
 
-# The classes a saved cache names (files written before the split name them ``kvshrink.methods.shard:X``)
-# and the functions the tests import from here.
-__all__ = ["ShardConfig", "ShardLayer", "ShardShared", "MiddleBlock", "TurboSegment", "SalientTokens",
-           "pick_salient", "allocate_layer_budgets"]
 
-
-def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
+def _build(model: torch.nn.Module, info, **options):
     from kvshrink.cache.base import KVShrinkCache
     from kvshrink.cache.integration import install
 
@@ -103,7 +96,7 @@ def _build(model: torch.nn.Module, info, multi_turn: bool = False, **options):
     shared = ShardShared(cfg, info.num_layers, info.head_dim, info.num_kv_heads)
     if cfg.key_alloc == "global":
         shared.layer_key_bits = global_key_budgets(model, info, cfg)
-    cache = KVShrinkCache("shard", options, info, lambda spec: ShardLayer(spec, shared), multi_turn=multi_turn)
+    cache = KVShrinkCache("shard", options, info, lambda spec: ShardLayer(spec, shared))
     install(model)
     return cache
 

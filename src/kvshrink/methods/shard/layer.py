@@ -9,6 +9,7 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials, ungroup
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.record import Record, RecordReader, Schema
 from kvshrink.cache.store import ExactStore, check_fp16_peak, exact_storage_dtype, held_bytes, to_storage
 from kvshrink.codecs import fused
 from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
@@ -148,10 +149,35 @@ class ShardLayer(CacheLayer):
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
-        state.setdefault("unread", [])  # files written before evicted tokens were held until decoding
-        state.setdefault("evicted", [])
         state["_sinks"], state["_window"] = state.pop("sinks"), state.pop("window")
         self.__dict__.update(state, _ring=None)
+
+    # ---- save / load (cache/record.py) ---------------------------------------------------------------------
+    # A new stored field of the layer: its name in RECORD.meta (a JSON value) or a TensorSpec in RECORD.tensors;
+    # of a middle block: `MiddleBlock.RECORD` (segments.py); of the stream: `TurboSegment.RECORD`.
+    RECORD = Schema(meta=("seen", "decoding", "_sinks_len"), parts=("sinks", "window", "middle", "unread", "stream"))
+
+    def to_record(self) -> Record:
+        """The exact tokens as the two stores and the evicted tokens coded, as a fork sees them (`__getstate__`);
+        this layer's key bit budget (global allocation: measured on the model when the cache was made)."""
+        self.unpack_ring()
+        self.code_evicted()
+        record = self.RECORD.write(self, sinks=self._sinks.to_record(), window=self._window.to_record(),
+                                   middle=[block.to_record() for block in self.middle],
+                                   unread=[block.to_record() for block in self.unread], stream=self.stream.to_record())
+        record.meta["key_bits"] = self.shared.layer_key_bits[self.layer_idx]
+        return record
+
+    def load_record(self, reader: RecordReader) -> None:
+        for key, value in self.RECORD.read(reader).items():
+            setattr(self, key, value)
+        self.shared.layer_key_bits[self.layer_idx] = reader.meta("key_bits")
+        self._sinks.load_record(reader.part("sinks"), self.info.dtype)
+        self._window.load_record(reader.part("window"), self.info.dtype)
+        exact = self._sinks.dtype
+        self.middle = [MiddleBlock.from_record(block, exact) for block in reader.parts("middle")]
+        self.unread = [MiddleBlock.from_record(block, exact) for block in reader.parts("unread")]
+        self.stream = TurboSegment.from_record(reader.part("stream"))
 
     # ---- attention ---------------------------------------------------------------------------------
     def past_partials(self, query: torch.Tensor, ctx: StepContext) -> list[Partial]:

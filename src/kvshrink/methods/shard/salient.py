@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
+from kvshrink.cache.record import Record, RecordReader, TensorSpec
 from kvshrink.cache.store import to_storage
 from kvshrink.codecs.groupwise import GroupCode, dequantize_groups, quantize_groups
 from kvshrink.kernels.backend import gpu_path
+from kvshrink.methods.code_records import group_code_record, read_group_code
 
 # How salient tokens are held: in the exact dtype, or as 8-bit codes with one fp16 step and zero point per
 # token vector (68 bytes per 64-channel vector instead of 128: about twice the tokens for the same bytes).
@@ -49,6 +51,29 @@ class SalientTokens:
         if self.coded:
             return [self.index, *self.keys.tensors(), *self.values.tensors()]
         return [self.index, self.keys, self.values]
+
+    # ---- save / load (cache/record.py): exact keys and values as tensors, 8-bit codes as parts -------------
+    _INDEX = TensorSpec("index", "b H m", "int32")
+    _EXACT = (TensorSpec("keys", "b H m D", optional=True), TensorSpec("values", "b H m D", optional=True))
+
+    def to_record(self) -> Record:
+        if self.coded:
+            return Record(tensors={"index": self.index}, parts={
+                "key_codes": group_code_record(self.keys, "b H m"), "value_codes": group_code_record(self.values, "b H m")})
+        return Record(tensors={"index": self.index, "keys": self.keys, "values": self.values})
+
+    @classmethod
+    def from_record(cls, reader: RecordReader, exact_dtype: torch.dtype) -> "SalientTokens":
+        index = reader.tensor(cls._INDEX)
+        exact = reader.tensors(*cls._EXACT)
+        key_codes, value_codes = reader.part("key_codes", optional=True), reader.part("value_codes", optional=True)
+        if exact["keys"] is not None and exact["values"] is not None and key_codes is None and value_codes is None:
+            reader.check(exact["keys"].dtype == exact["values"].dtype == exact_dtype,
+                         f"exact salient tokens must be {exact_dtype}")
+            return cls(index, exact["keys"], exact["values"])
+        reader.check(exact["keys"] is None and exact["values"] is None and None not in (key_codes, value_codes),
+                     "salient tokens are stored as exact keys and values, or as key and value codes")
+        return cls(index, read_group_code(key_codes, "b H m"), read_group_code(value_codes, "b H m"))
 
 
 def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: float,

@@ -11,10 +11,12 @@ import numpy as np
 import torch
 
 from kvshrink.cache.base import StepContext
+from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
 from kvshrink.codecs import fused
 from kvshrink.codecs.bitpack import unpack_bits
 from kvshrink.codecs.lloyd_max import TurboCode
 from kvshrink.codecs.pca import PCACode, stack_fields
+from kvshrink.methods.code_records import pca_code_record, read_pca_code, read_turbo_code, turbo_code_record
 from kvshrink.methods.shard.salient import SalientTokens
 
 
@@ -152,6 +154,26 @@ class MiddleBlock:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_derived"}
 
+    # ---- save / load (cache/record.py). A new stored field: a dataclass field above and one line here. -------
+    RECORD = Schema(tensors=(TensorSpec("v_codes", "b H n *", "uint8"), TensorSpec("v_codebook", "k *", "float16"),
+                             TensorSpec("v_scale", "H D", "float16"), TensorSpec("kept", "*", "uint8", optional=True)),
+                    meta=("start", "n", "span"))
+    _KEY_LEAD = "b"   # each PCA scope's codes: [B, n, bytes]
+
+    def to_record(self) -> Record:
+        return self.RECORD.write(self, keys=[pca_code_record(code, self._KEY_LEAD) for code in self.keys],
+                                 salient=None if self.salient is None else self.salient.to_record())
+
+    @classmethod
+    def from_record(cls, reader: RecordReader, exact_dtype: torch.dtype) -> "MiddleBlock":
+        fields = cls.RECORD.read(reader)
+        keys = [read_pca_code(scope, cls._KEY_LEAD) for scope in reader.parts("keys")]
+        reader.check(bool(keys) and all(code.n == fields["n"] for code in keys), "its key codes must code its n tokens")
+        salient = reader.part("salient", optional=True)
+        block = cls(**fields, keys=keys, salient=None if salient is None else SalientTokens.from_record(salient, exact_dtype))
+        reader.check((block.kept is None) == (block.span == 0), "a block's kept-token map and span go together")
+        return block
+
     def parts(self) -> dict[str, list[torch.Tensor]]:
         k = {kind: [t for code in self.keys for t in code.parts()[kind]] for kind in ("codes", "scales", "bases")}
         return {"k_codes": k["codes"], "k_scales": k["scales"], "k_bases": k["bases"],
@@ -226,7 +248,10 @@ class TurboSegment:
         them (the tokens held copied in once). Write them there, then call `filled`."""
         if self.buffer is not None and self.n + count <= self.buffer.codes.shape[-2]:
             return self.buffer
-        capacity = self.n + count + _stream_growth(self.n + count)
+        return self._buffer_of(self.n + count + _stream_growth(self.n + count), rows, n_bytes, device)
+
+    def _buffer_of(self, capacity: int, rows: tuple[int, ...], n_bytes: int, device) -> TurboCode:
+        """A buffer of ``capacity`` tokens holding the ``n`` held, made the stream's."""
         buffer = TurboCode(norm=torch.empty(2, *rows, capacity, dtype=torch.float16, device=device),
                            codes=torch.empty(2, *rows, capacity, n_bytes, dtype=torch.uint8, device=device))
         for i, held in enumerate((self.keys, self.values)):
@@ -254,6 +279,35 @@ class TurboSegment:
 
     def index(self, device) -> torch.Tensor:
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.runs])
+
+    # ---- save / load (cache/record.py): the codes held, and the buffer's capacity (its free slots are held
+    # bytes: a loaded stream holds as many as the saved one) ---------------------------------------------------
+    RECORD = Schema(meta=("n", "runs", "capacity"), parts=("keys", "values"))
+
+    def to_record(self) -> Record:
+        capacity = None if self.buffer is None else self.buffer.codes.shape[-2]
+        return Record(meta={"n": self.n, "runs": [list(run) for run in self.runs or []], "capacity": capacity},
+                      parts={"keys": turbo_code_record(self.keys, "b H n"),
+                             "values": turbo_code_record(self.values, "b H n")})
+
+    @classmethod
+    def from_record(cls, reader: RecordReader) -> "TurboSegment":
+        n, runs = reader.meta("n"), reader.meta("runs")
+        reader.check(isinstance(runs, list) and all(isinstance(r, list) and len(r) == 2 for r in runs)
+                     and sum(count for _, count in runs) == n, f"its runs must cover its {n} tokens")
+        keys = read_turbo_code(reader.part("keys", optional=True), "b H n")
+        values = read_turbo_code(reader.part("values", optional=True), "b H n")
+        reader.check((keys is None) == (values is None) == (n == 0), "keys and values are stored for its tokens")
+        reader.check(keys is None or keys.norm.shape[-1] == values.norm.shape[-1] == n,
+                     f"its codes must hold its {n} tokens")
+        segment = cls(keys=keys, values=values, n=n, runs=[tuple(run) for run in runs] or None)
+        capacity = reader.meta("capacity")
+        if capacity is not None:
+            reader.check(isinstance(capacity, int) and capacity >= n and keys is not None and keys.qjl_norm is None,
+                         f"a buffer of {capacity} tokens cannot hold its {n} tokens")
+            segment._buffer_of(capacity, tuple(keys.norm.shape[:-1]), keys.codes.shape[-1], keys.norm.device)
+            del segment.keys, segment.values  # views of the buffer from now on, as after a decode step (`filled`)
+        return segment
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.keys is None else self.keys.tensors() + self.values.tensors()
