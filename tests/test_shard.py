@@ -625,3 +625,51 @@ def test_eviction_keeps_the_needle_the_last_queries_read_and_its_neighbours():
     keep = tokens_to_keep(observed_importance(observer, key, 0.25, pool=5), 0.3)
     assert (~keep).sum() > 60                                           # much of the haystack goes
     assert keep[118:123].all() and keep[198:203].all()                  # each needle and its pooled neighbours stay
+
+
+def test_cold_tokens_are_the_least_read_ones_coded_cheaper_and_survive_a_save(tmp_path, monkeypatch):
+    """``cold``: each block's least-read tokens, holding at most ``cold`` of every head's observed attention,
+    go to a block of their own coded at ``cold_key_bits`` keys and ``cold_v_group``-channel value groups; the
+    salient rows stay as many, in the hot block; attention over the two blocks is attention over what they hold."""
+    from kvshrink.methods.shard import layer as shard_layer
+
+    seen = []
+    original = shard_layer.observed_importance
+    monkeypatch.setattr(shard_layer, "observed_importance", lambda *a: seen.append(original(*a)) or seen[-1])
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    opts = dict(sinks=4, window=16, key_bits=3.0, salient=0.05, evict=0.0, min_block=8)
+    whole = kvshrink.make_cache("shard", model, **opts)
+    prefill(model, whole, ids)
+    assert all(len(layer.middle) == 1 for layer in whole.layers)
+    seen.clear()
+    cache = kvshrink.make_cache("shard", model, cold=0.3, cold_key_bits=1.0, cold_v_group=8, **opts)
+    prefill(model, cache, ids)
+    for layer, importance in zip(cache.layers, seen, strict=True):
+        hot, cold = layer.middle
+        hot_rows, cold_rows = hot.rows(), cold.rows()
+        assert hot.span == cold.span == 280 and hot.n + cold.n == 280 and cold.n >= 8
+        assert not set(hot_rows.tolist()) & set(cold_rows.tolist())
+        share = importance / importance.sum(-1, keepdim=True)
+        assert float(share[..., cold_rows].sum(-1).max()) <= 0.3                     # the guard, every head
+        assert int(share.amax(dim=(0, 1)).argmax()) in hot_rows.tolist()             # the most read token is hot
+        assert cold.salient is None and hot.salient.index.shape[-1] == math.ceil(0.05 * 280)
+        assert cold.v_codebook.shape == (256, 8) and hot.v_codebook.shape == (256, 4)
+        per_token = [held_bytes(b.parts()["k_codes"]) / b.n for b in (hot, cold)]
+        assert per_token[1] < per_token[0] / 2
+    check_equivalence(cache, 1)
+    codes = [sum(c.breakdown()[f"middle_{k}"] for k in ("k_codes", "v_codes")) for c in (whole, cache)]
+    assert codes[1] < codes[0]   # (on 280 tokens the second block's bases and codebook outweigh the saving)
+    # saved and loaded, the two blocks decode the same tokens
+    cache.save(tmp_path / "cold.kvs")
+    loaded = kvshrink.load_cache(tmp_path / "cold.kvs", model)
+    with torch.no_grad():
+        want = model(torch.tensor([[7]]), past_key_values=cache).logits
+        got = model(torch.tensor([[7]]), past_key_values=loaded).logits
+    torch.testing.assert_close(got, want)
+
+
+def test_cold_v_group_must_divide_the_head_size():
+    with pytest.raises(ValueError, match="cold_v_group must divide the head size 16"):
+        kvshrink.make_cache("shard", tiny_llama(), cold=0.1, cold_v_group=3)
+    kvshrink.make_cache("shard", tiny_llama(), cold=0.0, cold_v_group=3)   # unused when cold is off

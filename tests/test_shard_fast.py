@@ -61,6 +61,8 @@ def assert_fast_equals_reference(cache, batch, rows=(1, 3), layers=None, ctx=Non
     dict(v_group=8, v_codebook=32),                           # 5-bit value codes straddle bytes
     dict(key_weights="query"),                                # per-column scale folded into the tables
     dict(evict=0.1, salient=0.05, min_block=8),               # evicted tokens: RoPE at the kept positions
+    dict(cold=0.3, salient=0.05, min_block=8),                # a hot and a cold block over the same span
+    dict(cold=0.3, evict=0.1, min_block=8, pca_scope="layer"),  # the cold split of the kept tokens
 ])
 def test_fused_block_attention_equals_reference(opts):
     model = tiny_llama()
@@ -71,6 +73,8 @@ def test_fused_block_attention_equals_reference(opts):
         assert all(layer.middle[0].kept is not None and layer.evicted for layer in cache.layers)
         for layer in cache.layers:  # held uncoded until the next call: coded as a fork or save codes them
             layer.code_evicted()
+    if opts.get("cold"):  # the hot block (1-bit value codes in the cold one: 8 channels of 256 entries)
+        assert all(len(layer.middle) == 2 and layer.middle[1].v_codebook.shape == (256, 8) for layer in cache.layers)
     assert_fast_equals_reference(cache, 1)
 
 

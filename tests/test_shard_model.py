@@ -58,7 +58,7 @@ def test_needle_answered_through_shard_and_ratio_from_bytes(model_and_tokenizer)
     assert cache.nbytes() == sum(cache.breakdown().values())
     ratio = cache.compression_ratio()
     assert ratio == pytest.approx(cache.fp16_nbytes() / cache.nbytes())
-    assert ratio > 5.0, cache.breakdown()  # 5.6x measured at ~2K (sinks+window are 3% of the tokens)
+    assert ratio > 5.4, (ratio, cache.breakdown())  # 5.6x measured at ~2K (sinks+window are 3% of the tokens)
     layer = cache.layers[0]
     # every decoded token but the last entered the window and pushed one token into the stream
     assert len(layer.sinks) == 4 and len(layer.window) == 64

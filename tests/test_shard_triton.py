@@ -101,6 +101,7 @@ CASES = [
     (dict(v_group=1, v_codebook=8), dict()),                                           # 3-bit value codes
     (dict(v_group=2, v_codebook=32), dict(head_dim=128)),                              # 5-bit value codes
     (dict(key_weights="query", v_group=2, v_codebook=16), dict()),    # (k_levels="uniform": 30 s to set up)
+    (dict(cold=0.3, salient=0.05, min_block=8), dict(head_dim=128)),                   # hot and cold blocks
 ]
 
 
@@ -111,8 +112,10 @@ def test_triton_block_attention_equals_reference(opts, shape):
         assert all(layer.middle[0].kept is not None and layer.evicted for layer in cache.layers)
         for layer in cache.layers:  # held uncoded until the next call: coded as a fork or save codes them
             layer.code_evicted()
-    if opts.get("salient"):
-        assert all(block.salient is not None for layer in cache.layers for block in layer.middle)
+    if opts.get("salient"):  # (a cold block holds none: its tokens are the least read)
+        assert all(layer.middle[0].salient is not None for layer in cache.layers)
+    if opts.get("cold"):
+        assert all(len(layer.middle) == 2 and layer.middle[1].v_codebook.shape[1] == 8 for layer in cache.layers)
     assert_triton_equals_reference(cache)
 
 

@@ -69,6 +69,15 @@ document compressed before its questions keeps every fact its later questions as
 loses when they are dropped anyway: docs/results.md, "Session 8"). ``ratio=0`` leaves ``evict``'s share
 alone to decide (the default of sessions 16-18, at 0.02); ``evict=0`` keeps every token.
 
+Cold tokens (beyond the source, ``cold``, off by default): the bits go where the observed queries read. Each
+block's least-read middle tokens, in ascending order of the largest share of the observation queries'
+attention any KV head gives them, while they hold at most ``cold`` of every head's share, are coded as a
+block of their own over the same span (a kept-token map, as an evicted block's): their own PCA at
+``cold_key_bits`` per key element and value VQ groups of ``cold_v_group`` channels (8 channels of 256 entries:
+1 bit per value element), with the same decode paths (each block's codebook shape gives its group size and
+code width). How many go is decided by how peaked the layer's attention is, not by a fixed count; the salient
+rows stay as many as the whole block would hold, all in the hot block.
+
 Per-layer budgets (beyond the source): with ``key_alloc="global"`` the key bit budget is shared by
 all layers: layers whose pre-RoPE keys are more low-rank get fewer bits. The allocation is a DP over
 the component groups of all layers at once, on each layer's spectrum measured on calibration text run

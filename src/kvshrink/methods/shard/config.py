@@ -76,6 +76,15 @@ class ShardConfig:
     salient_dtype: str = option("int8", "how salient tokens are held: 'exact' (in exact_dtype) or 'int8' (8-bit "
                                 "codes, one float16 step and zero point per token vector: about half the bytes)",
                                 choices=SALIENT_DTYPES)
+    cold: float = option(0.0, "share of each KV head's observed attention (by the prompt's last `observe` queries, "
+                         "pooled like `salient`) the middle's least-read tokens may hold together and be coded "
+                         "cheaper, in a block of their own: keys at `cold_key_bits`, values in VQ groups of "
+                         "`cold_v_group` channels (how many is decided by how peaked the layer's attention is; "
+                         "0 = every middle token coded alike)", low=0, high=1)
+    cold_key_bits: float = option(1.0, "bits per key element of the cold tokens (see `cold`; scaled with the layer's "
+                                  "budget when key_alloc='global')", low=0, high=8, low_open=True)
+    cold_v_group: int = option(8, "channels per value VQ group of the cold tokens (see `cold`; `v_codebook` "
+                               "entries: 8 channels with 256 entries is 1 bit per value element)", low=1)
     observe: int = option(64, "last prompt queries whose attention picks the salient and the evicted tokens", low=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
@@ -106,6 +115,8 @@ class ShardConfig:
         """The checks that depend on the model's attention shape."""
         if head_dim % self.v_group:
             self._bad(f"v_group must divide the head size {head_dim}, got {self.v_group}")
+        if self.cold > 0 and head_dim % self.cold_v_group:
+            self._bad(f"cold_v_group must divide the head size {head_dim}, got {self.cold_v_group}")
         if self.rank > head_dim * num_kv_heads:
             self._bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
 

@@ -619,34 +619,35 @@ class ShardLayer(CacheLayer):
         start = self.window.start
         k, v = (x.float() for x in self.window.pop_front(overflow))
         if not self.decoding and overflow >= self.cfg.min_block:
-            block, evicted = self.compress_block(k, v, start, ctx)
-            self.middle.append(block)
+            blocks, evicted = self.compress_block(k, v, start, ctx)
+            self.middle += blocks
             if evicted is not None:
                 self.evicted.append(evicted)
         else:
             self.stream.append(self.shared.turbo.encode(k), self.shared.turbo.encode(v), start, overflow)
 
-    def key_bits_per_component(self, spectra: list[torch.Tensor]) -> list[list[int]]:
+    def key_bits_per_component(self, spectra: list[torch.Tensor], bits: float | None = None) -> list[list[int]]:
         """Bits per component of each PCA scope: one DP over the groups of all scopes of the layer
-        under the layer's budget (``layer_key_bits * H_kv * d`` bits per token)."""
+        under the layer's budget (``bits``, by default ``layer_key_bits``, times ``H_kv * d`` bits per token)."""
+        bits = self.shared.layer_key_bits[self.layer_idx] if bits is None else bits
         dim = self.h_kv * self.d
         scope_dim = dim // len(spectra)
         group = self.cfg.pca_group or max(1, scope_dim // 16)
         sizes = [group_sizes(v.shape[0], group) for v in spectra]
         variances = [g for v, sz in zip(spectra, sizes) for g in group_variances(v, sz)]
         flat_sizes = [s for sz in sizes for s in sz]
-        budget = int(round(self.shared.layer_key_bits[self.layer_idx] * dim))
+        budget = int(round(bits * dim))
         bits = iter(allocate_bits(variances, flat_sizes, budget, drop_penalty=self.cfg.drop_penalty,
                                   levels=self.cfg.k_levels))
         return [[b for s in sz for b in [next(bits)] * s] for sz in sizes]
 
-    def key_rank(self, width: int) -> int:
+    def key_rank(self, width: int, bits: float | None = None) -> int:
         """PCA components fitted per scope of ``width`` columns: ``rank``, or by default one per
-        `_BITS_PER_COMPONENT` bits of the scope's budget (the bit allocation then spreads the budget over
-        them)."""
+        `_BITS_PER_COMPONENT` bits of the scope's budget (``bits`` per element, by default the layer's: the bit
+        allocation then spreads the budget over them)."""
         if self.cfg.rank:
             return min(self.cfg.rank, width)
-        budget = self.shared.layer_key_bits[self.layer_idx] * width
+        budget = (self.shared.layer_key_bits[self.layer_idx] if bits is None else bits) * width
         return max(1, min(width, int(budget // _BITS_PER_COMPONENT)))
 
     def query_pair_energy(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -673,9 +674,9 @@ class ShardLayer(CacheLayer):
         return weight.rsqrt().reshape(-1, width).to(torch.float16)             # [scopes, width]
 
     def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext
-                       ) -> tuple[MiddleBlock, EvictedTokens | None]:
-        """The chunk's middle tokens ``start ..`` coded as a block, and, when ``evict`` drops some, the dropped
-        ones uncoded: the caller holds them until it knows whether the prompt ended with its question (see
+                       ) -> tuple[list[MiddleBlock], EvictedTokens | None]:
+        """The chunk's middle tokens ``start ..`` coded as a block (two when ``cold`` splits off its least-read
+        tokens: see `hot_tokens`), and, when ``evict`` drops some, the dropped ones uncoded: the caller holds them until it knows whether the prompt ended with its question (see
         `settle_unread`)."""
         observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
         importance = None
@@ -688,15 +689,38 @@ class ShardLayer(CacheLayer):
             dropped = int((~keep).sum())
             # fewer than min_block tokens are not worth a block of their own (bases, scales): all stay
             keep = keep if dropped >= self.cfg.min_block else None
+        hot = self.hot_tokens(importance, keep)
         # One helper call per block, so each block's full-size temporaries are freed before the next starts
         # (extra peak memory stays below one layer's prompt K+V; measured by a test).
-        kept = self.encode_block(key, value, start, ctx, keep, importance)
+        if hot is None:
+            kept = [self.encode_block(key, value, start, ctx, keep, importance)]
+        else:
+            stored = key.shape[2] if keep is None else int(keep.sum())
+            kept = [self.encode_block(key, value, start, ctx, hot, importance, salient_of=stored),
+                    self.encode_block(key, value, start, ctx, ~hot if keep is None else keep & ~hot, None,
+                                      cold=True)]
         if keep is None:
             return kept, None
         rows = (~keep).nonzero().squeeze(-1)
         dtype = self._window.dtype  # the dtype they left the window in: narrowing back is exact
         return kept, EvictedTokens(start, key.shape[2], rows, key.index_select(2, rows).to(dtype),
                                    value.index_select(2, rows).to(dtype), ctx)
+
+    def hot_tokens(self, importance: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor | None:
+        """``[span]`` bool: the stored tokens coded at the full budget when ``cold`` splits a block (the least-read
+        ones, holding at most ``cold`` of every head's observed attention, go to a cold block); None when the
+        block stays whole (``cold`` off, no observation, or either part below ``min_block`` tokens)."""
+        if self.cfg.cold <= 0 or importance is None:
+            return None
+        stored = torch.ones(importance.shape[-1], dtype=torch.bool, device=importance.device) if keep is None \
+            else keep
+        rows = stored.nonzero().squeeze(-1)
+        hot = torch.zeros_like(stored)
+        hot[rows] = tokens_to_keep(importance.index_select(2, rows), self.cfg.cold)
+        cold = int(stored.sum()) - int(hot.sum())
+        if cold < self.cfg.min_block or int(hot.sum()) < self.cfg.min_block:
+            return None
+        return hot
 
     def tokens_within_ratio(self, span: int, batch: int) -> int:
         """How many of a new block's ``span`` middle tokens the layer can store and still hold ``ratio`` times
@@ -726,17 +750,24 @@ class ShardLayer(CacheLayer):
         return int((target - held - fixed) // per_token)
 
     def encode_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext,
-                     keep: torch.Tensor | None, importance: torch.Tensor | None) -> MiddleBlock:
+                     keep: torch.Tensor | None, importance: torch.Tensor | None, salient_of: int | None = None,
+                     cold: bool = False) -> MiddleBlock:
         """A `MiddleBlock` of the tokens ``keep [span]`` marks (all when None), its salient rows the most
-        important of them when ``importance [B, H_kv, span]`` is given."""
+        important of them when ``importance [B, H_kv, span]`` is given (``salient`` of ``salient_of`` tokens when
+        the block holds part of them: the hot part of a split); coded at the cold budget when ``cold``."""
         span, rows = key.shape[2], None if keep is None else keep.nonzero().squeeze(-1)
+        bits = self.shared.layer_key_bits[self.layer_idx]
+        if cold:
+            bits *= self.cfg.cold_key_bits / self.cfg.key_bits
         # The block's rows are selected one head at a time inside the encoders: a copy of the layer's kept
         # K/V would double the compression's extra peak memory.
-        keys = self.encode_keys(key, self.shared.rope(ctx, start, span), rows)
-        v_codes, codebook, scale = self.encode_values(value, rows)
+        keys = self.encode_keys(key, self.shared.rope(ctx, start, span), rows, bits)
+        v_codes, codebook, scale = self.encode_values(value, rows, self.shared.cold_codebook if cold else None)
         salient = None
         if self.cfg.salient > 0 and importance is not None:
-            salient = pick_salient(kept_rows(importance, rows, 2), key, value, self.cfg.salient, self._sinks.dtype,
+            n = span if rows is None else rows.numel()
+            fraction = self.cfg.salient if salient_of is None else min(1.0, self.cfg.salient * salient_of / n)
+            salient = pick_salient(kept_rows(importance, rows, 2), key, value, fraction, self._sinks.dtype,
                                    rows, held=self.cfg.salient_dtype)
         n = span if rows is None else rows.numel()
         kept = None if keep is None else pack_bits(keep.to(torch.uint8), 1)
@@ -761,9 +792,11 @@ class ShardLayer(CacheLayer):
         return block
 
     def encode_keys(self, key: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                    rows: torch.Tensor | None = None) -> list[PCACode]:
+                    rows: torch.Tensor | None = None, bits: float | None = None) -> list[PCACode]:
         """Post-RoPE keys ``[B, H_kv, span, d]`` with their RoPE ``(cos, sin) [B, span, d]`` -> one `PCACode` per
-        PCA scope of the pre-RoPE keys of all of them, or of the block rows ``rows`` only."""
+        PCA scope of the pre-RoPE keys of all of them, or of the block rows ``rows`` only, at ``bits`` per key
+        element (the layer's budget by default)."""
+        bits = self.shared.layer_key_bits[self.layer_idx] if bits is None else bits
         b, h, _, d = key.shape
         n = key.shape[2] if rows is None else rows.numel()
         cos, sin = rope
@@ -778,24 +811,25 @@ class ShardLayer(CacheLayer):
                 kept_rows(undo_rope(key, cos, sin), rows, 2).transpose(1, 2).reshape(b, n, h * d)
             return x if scales[s] is None else x.div_(scales[s].float())
 
-        rank = self.key_rank(width)
+        rank = self.key_rank(width, bits)
         fits = [fit_pca(scope_rows(s).reshape(b * n, width), rank, seed=self.cfg.seed) for s in range(scopes)]
-        bits = self.key_bits_per_component([f.variances for f in fits])
+        widths = self.key_bits_per_component([f.variances for f in fits], bits)
         # RoPE is undone again rather than kept from the fits: one scope's keys are alive at a time
-        return [encode_pca(scope_rows(s), fits[s], bits[s], levels=self.cfg.k_levels, column_scale=scales[s])
+        return [encode_pca(scope_rows(s), fits[s], widths[s], levels=self.cfg.k_levels, column_scale=scales[s])
                 for s in range(scopes)]
 
-    def encode_values(self, value: torch.Tensor, rows: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def encode_values(self, value: torch.Tensor, rows: torch.Tensor | None = None,
+                      codebook: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Values ``[B, H_kv, span, d]`` (all rows, or the block rows ``rows`` only) -> packed VQ indices,
-        the codebook, per-(head, channel) scales.
+        the codebook (``codebook``'s group size, by default the shared `v_codebook`), per-(head, channel) scales.
 
         One head and ``_VALUE_ROWS`` tokens at a time (the rotation is redone rather than kept), so a
         layer's rotated values never exist at once; only ``v_fit="kmeans"`` rotates the whole layer to
         sample from it."""
         b, h, _, d = value.shape
         n = value.shape[2] if rows is None else rows.numel()
-        group = self.cfg.v_group
+        codebook = (self.shared.v_codebook if codebook is None else codebook).to(value.device)
+        group = codebook.shape[1]
         rotate = self.shared.rotation.rotate
 
         def rotated(s: int):
@@ -807,7 +841,6 @@ class ShardLayer(CacheLayer):
 
         power = torch.stack([sum(x.pow(2).sum(dim=(0, 1)) for _, x in rotated(s)) for s in range(h)])
         scale = (power / (b * n)).sqrt().clamp_min(1e-6).to(torch.float16)            # [H, d]
-        codebook = self.shared.v_codebook.to(value.device)
         if self.cfg.v_fit == "kmeans":
             groups = rotate(kept_rows(value, rows, 2)).div_(scale.float()[None, :, None, :]).reshape(-1, group)
             codebook = fit_codebook(groups, self.cfg.v_codebook, iters=self.cfg.v_iters, sample=self.cfg.v_sample,

@@ -27,6 +27,9 @@ class ShardShared:
         self.rotation = RandomRotation(head_dim, cfg.seed)
         self.turbo = TurboQuantizer(head_dim, cfg.stream_bits, qjl=cfg.qjl, seed=cfg.seed + 1)
         self.v_codebook = gaussian_codebook(cfg.v_group, cfg.v_codebook, seed=cfg.seed)
+        # the cold tokens' codebook (cold > 0): as many entries over more channels, fewer bits per value
+        self.cold_codebook = gaussian_codebook(cfg.cold_v_group, cfg.v_codebook, seed=cfg.seed) if cfg.cold > 0 \
+            else None
         self.layer_key_bits: list[float] = [cfg.key_bits] * num_layers
         # The key coefficient levels of every width the bit allocation may pick, computed now (once per
         # process) rather than inside the first prompt's prefill.
@@ -40,6 +43,8 @@ class ShardShared:
                 fused.warm_up(cfg.pca_scopes(num_kv_heads))
             if cfg.v_fit == "gaussian":  # the codebook every block uses, as the blocks store it (float16)
                 fused.index_codebook(self.v_codebook.to(torch.float16))
+                if self.cold_codebook is not None:
+                    fused.index_codebook(self.cold_codebook.to(torch.float16))
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
 
@@ -109,3 +114,10 @@ class ShardShared:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_rope_ctx": None, "_rope_memo": {}}  # one step's memo is not state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "cold_codebook" not in state:  # files written before the cold split: it is derived from the options
+            cfg = self.cfg
+            self.cold_codebook = gaussian_codebook(cfg.cold_v_group, cfg.v_codebook, seed=cfg.seed) \
+                if cfg.cold > 0 else None

@@ -1,0 +1,76 @@
+"""Ratio, byte shares, KL(full || method) and top-1 agreement on a teacher-forced continuation.
+
+A prefix of ``LENGTH`` tokens of a text no evaluation suite uses (the license texts Debian ships in
+/usr/share/common-licenses: GPL-3, GFDL-1.3, MPL-2.0, Apache-2.0, LGPL-2.1, GPL-2, joined by blank lines) is
+prefilled in one call, so the cache keeps every token it is asked to (``evict=0``); the ratio and the byte
+shares are read then. The next 64 tokens are then teacher-forced in one call, and the 64 next-token
+distributions (the prefix's last one and 63 of the continuation's) are compared with ``full``'s.
+
+    python benchmarks/shard-ratio/kl_continuation.py MODEL LENGTH OUT.jsonl SPEC [SPEC ...]
+
+MODEL: ``smol`` (the embedded SmolLM2-135M-Instruct) or a model path; ``DTYPE`` (environment): float32 (default)
+or bfloat16. One JSON line per spec is appended to OUT.jsonl. ``full``'s distributions are kept next to OUT
+and reused by later runs of the same model, length and dtype.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+import kvshrink
+from kvshrink.cache import parse_method_spec
+
+LICENSES = ["GPL-3", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "LGPL-2.1", "GPL-2"]
+CONTINUATION = 64
+
+
+def held_out_text() -> str:
+    return "\n\n".join(open(f"/usr/share/common-licenses/{name}").read() for name in LICENSES)
+
+
+def next_token_logprobs(model, prefix, continuation, cache):
+    """``[CONTINUATION, vocab]`` log-probabilities, and the cache's ratio and byte breakdown after the prefix."""
+    with torch.no_grad():
+        first = model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
+        ratio = getattr(cache, "compression_ratio", lambda: None)()
+        parts = {k: v for k, v in cache.breakdown().items() if v} if hasattr(cache, "breakdown") else None
+        rest = model(continuation[:, :-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([first, rest], 1).float().log_softmax(-1)[0], ratio, parts
+
+
+def main():
+    model_path, length, out, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    dtype = os.environ.get("DTYPE", "float32")
+    model, tok = kvshrink.load_model(None if model_path == "smol" else model_path, dtype=dtype)
+    ids = tok(held_out_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    if ids.shape[1] < length + CONTINUATION:
+        raise SystemExit(f"the text has {ids.shape[1]} tokens; {length + CONTINUATION} are needed")
+    prefix, continuation = ids[:, :length], ids[:, length:length + CONTINUATION]
+    name = os.path.basename(model_path).split("-instruct")[0]
+    ref_path = os.path.join(os.path.dirname(os.path.abspath(out)), f"ref-{name}-{length}-{dtype}.pt")
+    if os.path.exists(ref_path):
+        ref = torch.load(ref_path)
+    else:
+        from transformers import DynamicCache
+        ref = next_token_logprobs(model, prefix, continuation, DynamicCache())[0]
+        torch.save(ref, ref_path)
+    for spec in specs:
+        start = time.time()
+        method, options = parse_method_spec(spec)
+        logprobs, ratio, parts = next_token_logprobs(model, prefix, continuation,
+                                                     kvshrink.make_cache(method, model, **options))
+        kl = float((ref.exp() * (ref - logprobs)).sum(-1).mean())
+        top1 = float((ref.argmax(-1) == logprobs.argmax(-1)).float().mean() * 100)
+        total = sum(parts.values())
+        record = dict(model=model_path, dtype=dtype, length=length, spec=spec, ratio=round(ratio, 3),
+                      kl=round(kl, 5), top1=top1, seconds=round(time.time() - start, 1),
+                      share={k: round(v / total, 3) for k, v in parts.items()})
+        print(json.dumps(record), flush=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
