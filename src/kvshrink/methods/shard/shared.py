@@ -114,10 +114,3 @@ class ShardShared:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_rope_ctx": None, "_rope_memo": {}}  # one step's memo is not state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if "cold_codebook" not in state:  # files written before the cold split: it is derived from the options
-            cfg = self.cfg
-            self.cold_codebook = gaussian_codebook(cfg.cold_v_group, cfg.v_codebook, seed=cfg.seed) \
-                if cfg.cold > 0 else None
