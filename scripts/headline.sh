@@ -7,12 +7,15 @@
 #   scripts/headline.sh qwen2.5-coder-1.5b MODEL.gguf     # another model -> benchmarks/headline/qwen2.5-coder-1.5b.json
 #   kvshrink report --docs README.md docs/benchmarks.md   # then redraw the published tables from the JSON files
 #
-# Environment overrides (the tests use them for a tiny run): KVSHRINK (the command), LENGTHS, METHODS,
-# REPEATS, THREADS, SCRATCH (the results folder; a rerun resumes it), DEST (where the JSON goes).
+# Run it from the repository root. Environment overrides (the tests use them for a tiny run): KVSHRINK (the
+# command; default .venv/bin/kvshrink when `make` made it, else kvshrink), LENGTHS, METHODS, REPEATS, THREADS,
+# SCRATCH (the results folder; a rerun resumes it), DEST (where the JSON goes).
 set -euo pipefail
 NAME=${1:-smollm2}
 MODEL=${2:-}
-KVSHRINK=${KVSHRINK:-kvshrink}
+if [ -z "${KVSHRINK:-}" ]; then
+    if [ -x .venv/bin/kvshrink ]; then KVSHRINK=.venv/bin/kvshrink; else KVSHRINK=kvshrink; fi
+fi
 LENGTHS=${LENGTHS:-2048,8000}
 METHODS=${METHODS:-full,shard,shard:evict=0,lrqk,kivi:bits=2,streaming:window=640,turboquant:key_bits=3,value_bits=2}
 REPEATS=${REPEATS:-2}

@@ -73,6 +73,18 @@ def test_every_figure_line_of_a_published_table_comes_from_data(tmp_path):
     assert stale_docs([str(doc)], str(tmp_path)) == [str(doc)]
 
 
+def test_report_docs_check_fails_on_a_stale_table_and_redraws_it(tmp_path, monkeypatch):
+    from kvshrink.eval.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.md").write_text("<!-- table:detail benchmarks/none.json -->\nhand-made\n<!-- end table -->\n")
+    assert main(["report", "--docs", "doc.md", "--check"]) == 1
+    assert "hand-made" in (tmp_path / "doc.md").read_text()
+    assert main(["report", "--docs", "doc.md"]) == 0
+    assert main(["report", "--docs", "doc.md", "--check"]) == 0
+    assert "Not measured yet" in (tmp_path / "doc.md").read_text()
+
+
 def test_headline_script_writes_the_data_a_table_is_drawn_from(tmp_path):
     """scripts/headline.sh end to end on the embedded model, tiny: two methods, one short length."""
     env = dict(os.environ, KVSHRINK=f"{sys.executable} -m kvshrink.eval", LENGTHS="256", REPEATS="1",
