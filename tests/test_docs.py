@@ -1,8 +1,15 @@
-"""The documents that are derived from the code stay in step with it."""
+"""The documents stay in step with the code and with the data their tables are drawn from; the README stays a
+short, working user's page."""
 
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 from kvshrink.cache.registry import options_markdown
+from kvshrink.eval.published import headline_table, stale_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,13 +33,6 @@ def test_every_method_and_option_is_in_the_options_doc():
 
 # ---- published tables: each is drawn from a committed data file under benchmarks/ ----------------------
 
-import json
-import os
-import re
-import subprocess
-import sys
-
-from kvshrink.eval.published import headline_table, stale_docs
 
 PUBLISHED_DOCS = ["README.md", "docs/benchmarks.md"]
 

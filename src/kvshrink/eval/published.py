@@ -19,7 +19,7 @@ import re
 import statistics
 import subprocess
 
-from .report import REFERENCE, markdown_table, spec_order
+from .report import markdown_table, spec_order
 from .results import CONFIG, read_rows
 
 # What a row keeps of a results row: what the published tables read, and what identifies the sample.
@@ -30,9 +30,8 @@ KEPT_FIELDS = ("spec", "method", "task", "length", "actual_tokens", "sample", "p
 # What each method keeps, in a few words (exact spec first, then the method's name).
 KEEPS = {
     "full": "every token, in the model's dtype (the reference)",
-    "shard": "sinks and window exact; middle keys PCA-coded with RoPE undone, values vector-quantized, the "
-             "most-read middle tokens in 8 bits; the least-read middle tokens dropped when decoding follows "
-             "the prompt; generated tokens TurboQuant-coded",
+    "shard": "sinks and window exact; middle: PCA-coded keys (RoPE undone), vector-quantized values, the "
+             "most-read tokens in 8 bits, the least-read dropped when decoding follows the prompt",
     "shard:evict=0": "the same, every middle token kept (as a document compressed before its questions)",
     "lrqk": "fast tier: rank-r key factors, top-k slots and a window (every token in a slow tier: host "
             "memory or disk, not counted)",
@@ -140,7 +139,7 @@ def headline_table(data: dict) -> str:
     for spec in spec_order(rows):
         per = [figures(rows, spec, n) for n in lengths]
         last = per[-1]
-        quality = "0 (100)" if spec == REFERENCE else f"{_f('{:.3f}', last['kl'])} ({_f('{:.1f}', last['top1'])})"
+        quality = f"{_f('{:.3f}', last['kl'])} ({_f('{:.1f}', last['top1'])})"
         body.append([f"`{spec}`", keeps(spec), " / ".join(_f("{:.2f}x", p["ratio"]) for p in per), quality,
                      " / ".join(_f("{:.2f}x", p["speed"]) for p in per)])
     return markdown_table(header, body)
