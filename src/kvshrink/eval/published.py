@@ -178,7 +178,7 @@ def render_block(kind: str, path: str, root: str, link_prefix: str = "") -> str:
     full_path = os.path.join(root, path)
     if not os.path.exists(full_path):
         name = os.path.splitext(os.path.basename(path))[0]
-        body = (f"Not measured yet: `scripts/headline.sh {name} MODEL` writes `{path}`, then "
+        body = (f"Not measured yet: `scripts/headline.sh {name} [MODEL]` writes `{path}`, then "
                 f"`kvshrink report --docs` draws this table.")
     else:
         with open(full_path, encoding="utf-8") as fh:
