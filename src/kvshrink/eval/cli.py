@@ -62,8 +62,20 @@ def register(subparsers) -> None:
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev.set_defaults(func=run_eval)
 
-    rep = subparsers.add_parser("report", help="print the summary of a results folder and redraw its plots")
-    rep.add_argument("out", help="results folder written by kvshrink eval")
+    rep = subparsers.add_parser("report", help="print the summary of a results folder and redraw its plots; "
+                                "export it for publishing; redraw the published tables",
+                                epilog="examples:\n  kvshrink report results/quick\n"
+                                "  kvshrink report results/headline-smollm2 --export benchmarks/headline/smollm2.json\n"
+                                "  kvshrink report --docs README.md docs/benchmarks.md   # redraw from benchmarks/\n"
+                                "  kvshrink report --docs README.md docs/benchmarks.md --check",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    rep.add_argument("out", nargs="?", help="results folder written by kvshrink eval")
+    rep.add_argument("--export", metavar="FILE",
+                     help="also write the folder's rows, commands, commit and machine as one JSON file to publish")
+    rep.add_argument("--docs", nargs="+", metavar="DOC",
+                     help="redraw the tables between `<!-- table:KIND PATH -->` markers in these Markdown files "
+                          "from their data files (paths relative to the current folder, the repository root)")
+    rep.add_argument("--check", action="store_true", help="with --docs: change nothing, fail if a table is stale")
     rep.set_defaults(func=run_report)
 
 
@@ -115,9 +127,28 @@ def _suite_dict(suite) -> dict:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    import os
+
+    from .published import export_results, stale_docs
     from .report import write_report
 
-    print(write_report(args.out))
+    if args.out is None and not args.docs:
+        raise ValueError("give a results folder, or --docs FILE... to redraw the published tables")
+    if args.export and args.out is None:
+        raise ValueError("--export needs the results folder to export")
+    if args.check and not args.docs:
+        raise ValueError("--check applies to --docs")
+    if args.out is not None:
+        print(write_report(args.out))
+        if args.export:
+            export_results(args.out, args.export)
+            print(f"exported to {args.export}", file=sys.stderr)
+    if args.docs:
+        stale = stale_docs(args.docs, os.getcwd(), write=not args.check)
+        verb = "stale" if args.check else "redrawn"
+        print(f"{verb}: {', '.join(stale)}" if stale else "every table is up to date", file=sys.stderr)
+        if args.check and stale:
+            return 1
     return 0
 
 
