@@ -211,6 +211,14 @@ def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.
     ``entropy`` stores each tensor losslessly coded when that makes it smaller (`cache.file_codec`); with
     ``entropy=False`` the file holds the tensors as in memory (faster to write and read, larger).
     """
+    _write_atomic(Path(path), cache_to_bytes(cache, model=model, extra=extra, entropy=entropy))
+
+
+def cache_to_bytes(cache: CacheAccounting, model: torch.nn.Module | None = None,
+                   extra: dict[str, Any] | None = None, entropy: bool = True) -> bytes:
+    """The bytes ``save_cache`` writes (a safetensors file), for stores other than a local file."""
+    from safetensors.torch import save
+
     if not isinstance(cache, KVShrinkCache):
         raise NotImplementedError(f"kvshrink: saving a '{getattr(cache, 'method', type(cache).__name__)}' cache "
                                   "is not supported (only caches built from kvshrink layers can be saved)")
@@ -231,7 +239,7 @@ def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.
         "encodings": encodings, "extra": extra or {},
     }
     meta_json = json.dumps(meta, sort_keys=True)
-    _write_atomic(Path(path), stored, {_META_KEY: meta_json, _CHECK_KEY: _checksum(meta_json, stored)})
+    return save(stored, metadata={_META_KEY: meta_json, _CHECK_KEY: _checksum(meta_json, stored)})
 
 
 def _encoded(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -244,15 +252,13 @@ def _encoded(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return stored, encodings
 
 
-def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
+def _write_atomic(path: Path, data: bytes) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb+") as fh:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a partial one
     except BaseException:
@@ -266,18 +272,40 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     return _read(path)[0]
 
 
-def _read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
+def read_metadata_bytes(data: bytes, source: str = "<bytes>") -> dict[str, Any]:
+    """The checked metadata of cache bytes (`cache_to_bytes`)."""
+    return _read_bytes(data, source)[0]
 
+
+def _read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"kvshrink: no cache file {str(path)!r}")
     try:
-        with safe_open(str(path), framework="pt") as fh:
-            metadata = fh.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CacheFileError(f"kvshrink: {path} cannot be read ({err})") from None
+    return _read_bytes(data, str(path))
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's header (8-byte little-endian length, then JSON)."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise ValueError("header longer than the data")
+    return json.loads(data[8:8 + size]).get("__metadata__") or {}
+
+
+def _read_bytes(data: bytes, path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        metadata = _safetensors_metadata(data)
+        tensors = load(data)
+    except (SafetensorError, OSError, ValueError, RuntimeError, AttributeError) as err:
         raise CacheFileError(f"kvshrink: {path} is truncated or corrupted (not a readable cache file: {err})") from None
     if _META_KEY not in metadata or _CHECK_KEY not in metadata:
         raise CacheFileError(f"kvshrink: {path} is a safetensors file but not a kvshrink cache")
@@ -324,9 +352,20 @@ def load_cache(path: str | os.PathLike, model: torch.nn.Module) -> KVShrinkCache
     Raises FileNotFoundError for a missing file and ``CacheFileError`` (a ValueError) for a corrupted or
     truncated file, another format version, or another model.
     """
+    meta, stored = _read(path)
+    return _rebuilt(meta, stored, model, path)
+
+
+def cache_from_bytes(data: bytes, model: torch.nn.Module, source: str = "<bytes>") -> KVShrinkCache:
+    """The cache held in ``data`` (`cache_to_bytes`), rebuilt for ``model``; refused like `load_cache`
+    (``CacheFileError``), ``source`` naming the data in the message."""
+    meta, stored = _read_bytes(data, source)
+    return _rebuilt(meta, stored, model, source)
+
+
+def _rebuilt(meta: dict[str, Any], stored: dict[str, torch.Tensor], model: torch.nn.Module, path) -> KVShrinkCache:
     from kvshrink.cache.registry import make_cache
 
-    meta, stored = _read(path)
     check_model(meta, model, path)
     tensors = _decoded(meta, stored, path)
     cache = make_cache(meta["method"], model, multi_turn=meta["multi_turn"], **meta["options"])
