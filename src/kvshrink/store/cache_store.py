@@ -66,6 +66,7 @@ class StoreStats:
     puts: int = 0  # entries this process made visible
     computed: int = 0  # prefills `cache_for` ran (tokens not found in the store)
     waited: int = 0  # `cache_for` calls answered by another worker's entry after waiting
+    bytes_written: int = 0  # bytes of the entries this process made visible (chunks and manifests)
     reasons: list[str] = field(default_factory=list)  # why a stored entry could not be used
 
 
@@ -224,7 +225,8 @@ class CacheStore:
         manifest = Manifest(scope=scope.scope, tokens=n, ids_sha256=ids_hash, size=len(data), sha256=sha256(data),
                             chunks=chunks, created=time.time(),
                             summary={"method": meta["method"], "options": meta["options"], "bytes": len(data)})
-        if not self.backend.put_if_absent(keys.manifest(ids_hash), manifest.to_bytes(), ttl=self.ttl):
+        manifest_bytes = manifest.to_bytes()
+        if not self.backend.put_if_absent(keys.manifest(ids_hash), manifest_bytes, ttl=self.ttl):
             self.backend.delete([c.key for c in chunks])  # another writer's identical entry won
             return False
         # Dying here leaves chunks on their orphan expiry: the entry then misses ("chunk missing") and is replaced.
@@ -233,6 +235,7 @@ class CacheStore:
         bound = boundary(n, self.index_every)
         self.backend.add_member(keys.index(prefix_hashes(arr, [bound])[bound]), str(n), ttl=self.ttl)
         self.stats.puts += 1
+        self.stats.bytes_written += len(data) + len(manifest_bytes)
         return True
 
     # ------------------------------------------------------------------------------------------ get or compute
@@ -305,6 +308,17 @@ class CacheStore:
                 self.backend.delete([lock_key])
         except BackendError as err:
             log.warning("kvshrink store %s: lock release failed (%s); it expires by itself", self.url, err)
+
+    def entry_info(self, model: torch.nn.Module, ids: Any, method: str, **options: Any) -> dict | None:
+        """What the store holds for exactly ``ids``: tokens, value and manifest bytes, chunk count (no chunk is read)."""
+        arr = ids_array(ids)
+        scope = _scope(model_fingerprint(model), _model_dtype(model), method, options, self.namespace)
+        raw = self.backend.get(scope.keys.manifest(prefix_hashes(arr, [len(arr)])[len(arr)]))
+        if raw is None:
+            return None
+        manifest = Manifest.from_bytes(raw)
+        return {"tokens": manifest.tokens, "value_bytes": manifest.size, "manifest_bytes": len(raw),
+                "chunks": len(manifest.chunks), "stored_bytes": manifest.size + len(raw)}
 
     def collect(self) -> int:
         """Delete expired values (orphan chunks of killed writers) where the backend does not expire them itself."""
