@@ -64,6 +64,21 @@ def store_url(request, tmp_path):
     server.stop()
 
 
+def report(fault: str, url: str, *stores: CacheStore) -> None:
+    """One JSON line per fault test (`pytest -s` shows it; docs/store.md quotes them)."""
+    import json
+    import re
+
+    def general(reason: str) -> str:  # one line per kind of reason, not per entry
+        return re.sub(r"chunk \d+/\d+", "chunk i/n", re.sub(r"\([0-9a-f]{16}\)", "(hash)", reason))
+
+    print("\n" + json.dumps({"fault": fault, "backend": "redis" if url.startswith("redis://") else "folder",
+                             "hits": sum(s.stats.hits for s in stores), "misses": sum(s.stats.misses for s in stores),
+                             "computed": sum(s.stats.computed for s in stores),
+                             "waited": sum(s.stats.waited for s in stores), "puts": sum(s.stats.puts for s in stores),
+                             "reasons": sorted({general(r) for s in stores for r in s.stats.reasons})}))
+
+
 def chunk_keys(url: str) -> list[str]:
     """Every chunk key the store holds (tests only: a store never lists keys)."""
     if url.startswith("redis://"):
@@ -136,6 +151,7 @@ def test_wrong_model_method_options_or_format_version_miss(model, store_url, mon
     assert store.get(model, ids, METHOD, **OPTIONS) is None  # the unreadable entry was dropped ...
     assert store.cache_for(model, ids, METHOD, **OPTIONS)[1] == "computed"  # ... and is stored again
     assert store.get(model, ids, METHOD, **OPTIONS) is not None
+    report("other model, dtype, method, options, format version", store_url, store)
 
 
 def _corrupt(url: str, key_path: str, flip: bool) -> None:
@@ -174,6 +190,7 @@ def test_bad_chunk_is_a_logged_miss_then_recomputed(model, store_url, fault, cap
     cache, how = store.cache_for(model, ids, METHOD, **OPTIONS)
     assert how == "computed"
     got = store.get(model, ids, METHOD, **OPTIONS)
+    report(f"{fault} chunk", store_url, store)
     rest = ids_of(4, seed=3)
     assert continuation(model, got, ids, rest) == continuation(model, filled(model, ids), ids, rest)
 
@@ -228,6 +245,7 @@ def test_writer_killed_between_chunks_leaves_no_entry(model, store_url):
         assert store.collect() == 1 and chunk_keys(store_url) == []  # the folder's collection removed it
     assert store.cache_for(model, ids, METHOD, **OPTIONS)[1] == "computed"
     assert store.get(model, ids, METHOD, **OPTIONS) is not None
+    report("writer killed after its first chunk", store_url, store)
 
 
 # ---------------------------------------------------------------------------------------------- concurrent writers
@@ -260,6 +278,7 @@ def test_concurrent_writers_store_one_entry_and_compute_once(model, store_url):
     rest = ids_of(4, seed=4)
     answers = {tuple(continuation(model, cache, ids, rest)) for cache, _ in results}
     assert len(answers) == 1
+    report("4 concurrent cache_for of one document", store_url, *stores)
     # two plain puts of the same cache at once: one manifest, the loser's chunks deleted
     other = ids_of(150, seed=9)
     cache = filled(model, other)
@@ -293,6 +312,7 @@ def test_dead_lock_holder_does_not_block_forever(model, store_url):
     cache, how = store.cache_for(model, ids, METHOD, **OPTIONS)
     assert how == "computed" and 1.0 <= time.monotonic() - start < 10
     assert any("waited" in r for r in store.stats.reasons)
+    report("lock held by a dead worker", store_url, store)
 
 
 # ---------------------------------------------------------------------------------------------- Redis faults
@@ -313,6 +333,7 @@ def test_redis_restart_mid_run(model, tmp_path, persist_on, caplog):
         assert how == ("hit" if persist_on else "computed")
         rest = ids_of(4, seed=6)
         assert continuation(model, cache, ids, rest) == continuation(model, filled(model, ids), ids, rest)
+        report(f"redis restart, {'with' if persist_on else 'without'} persistence", server.url, store)
     finally:
         server.stop()
 
@@ -339,6 +360,7 @@ def test_redis_maxmemory_lru_evictions_are_misses(model, tmp_path):
         assert 0 < len(hits) < len(docs)
         assert store.stats.misses == len(docs) - len(hits)
         assert any("is missing" in r for r in store.stats.reasons)  # chunks evicted under their manifest
+        report("maxmemory + allkeys-lru, 30 entries", server.url, store)
         for d, got, c in hits[-2:]:  # what is read is whole and right
             assert continuation(model, got, d, rest, new=2) == continuation(model, c, d, rest, new=2)
         client.close()
