@@ -186,8 +186,15 @@ class CacheStore:
                 raise EntryError("the cache holds other token ids than its key")
             if cache.method != scope.method:
                 raise EntryError(f"the entry holds a {cache.method} cache, not {scope.method}")
+        except BackendError:
+            raise  # the server, not the entry: `get` logs it and misses, the entry stays
         except (EntryError, CacheFileError) as err:
             self._miss(f"entry of {n} tokens ({ids_hash[:16]}) skipped: {err}")
+            self.backend.delete([key])  # the next writer replaces it
+            return None
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:  # checksummed yet not a cache of this kvshrink
+            self._miss(f"entry of {n} tokens ({ids_hash[:16]}) skipped: cannot be rebuilt "
+                       f"({type(err).__name__}: {err})")
             self.backend.delete([key])  # the next writer replaces it
             return None
         return cache
