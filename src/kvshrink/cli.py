@@ -160,24 +160,80 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     from kvshrink.cache.persist import save_cache
     from kvshrink.cache.registry import get_method, resolve_options
 
+    if not args.out and not args.store:
+        raise ValueError("kvshrink: give --out FILE, --store URL or both")
     options = _parse_options(args.option)
     resolve_options(get_method(args.method), options)  # fail before loading the model
     document = Path(args.prompt_file).read_text()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prefix, template = document_prompt(tokenizer, document)
-    cache = make_cache(args.method, model, **options)
-    start = time.perf_counter()
-    prefill(model, cache, torch.tensor([prefix], device=model.device), args.chunk, progress=True)
-    seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    save_cache(cache, args.out, extra={"question_template": template}, entropy=args.entropy)
-    save_seconds = time.perf_counter() - start
-    size = Path(args.out).stat().st_size
-    print(f"{args.out}: {len(prefix)} tokens, {size:,} bytes on disk ({size / 2**20:.2f} MiB), "
-          f"fp16 KV {cache.fp16_nbytes():,} bytes, ratio {cache.fp16_nbytes() / size:.2f}x "
-          f"(in memory {cache.compression_ratio():.2f}x); prefill {seconds:.1f} s, saved "
-          f"{'entropy coded' if args.entropy else 'as in memory'} in {save_seconds:.1f} s")
+    if args.store:
+        cache = _compress_into_store(args, model, prefix, template, options)
+    else:
+        cache = make_cache(args.method, model, **options)
+        start = time.perf_counter()
+        prefill(model, cache, torch.tensor([prefix], device=model.device), args.chunk, progress=True)
+        print(f"prefill {time.perf_counter() - start:.1f} s")
+    if args.out:
+        start = time.perf_counter()
+        save_cache(cache, args.out, extra={"question_template": template}, entropy=args.entropy)
+        save_seconds = time.perf_counter() - start
+        size = Path(args.out).stat().st_size
+        print(f"{args.out}: {len(prefix)} tokens, {size:,} bytes on disk ({size / 2**20:.2f} MiB), "
+              f"fp16 KV {cache.fp16_nbytes():,} bytes, ratio {cache.fp16_nbytes() / size:.2f}x "
+              f"(in memory {cache.compression_ratio():.2f}x); saved "
+              f"{'entropy coded' if args.entropy else 'as in memory'} in {save_seconds:.1f} s")
     return 0
+
+
+def _store_prefill(args: argparse.Namespace, progress: bool):
+    """The CLI's chunked prefill, for `CacheStore.cache_for`."""
+    return lambda model, cache, ids: prefill(model, cache, ids, args.chunk, progress=progress)
+
+
+def _open_store(args: argparse.Namespace):
+    from kvshrink.store import CacheStore
+
+    return CacheStore(args.store, entropy=getattr(args, "entropy", True))
+
+
+def _compress_into_store(args, model, prefix, template, options):
+    store = _open_store(args)
+    start = time.perf_counter()
+    cache, how = store.cache_for(model, prefix, args.method, prefill=_store_prefill(args, True),
+                                 extra={"question_template": template}, **options)
+    seconds = time.perf_counter() - start
+    stored = store.stats.bytes_written
+    line = (f"{store.url}: {len(prefix)} tokens, {how} in {seconds:.1f} s; fp16 KV {cache.fp16_nbytes():,} bytes")
+    if stored:
+        line += f", {stored:,} bytes stored (chunks + manifest), ratio {cache.fp16_nbytes() / stored:.2f}x"
+    print(line)
+    return cache
+
+
+def _from_store(args: argparse.Namespace):
+    """``(model, tokenizer, cache, prefix ids, question template, seconds)`` of ``--document`` through
+    ``--store``: its stored entry, or a prefill stored for the next worker (once across workers)."""
+    from kvshrink import load_model
+    from kvshrink.cache.registry import get_method, resolve_options
+
+    if not args.document:
+        raise ValueError("kvshrink: --store needs --document FILE (the document the questions are about)")
+    if getattr(args, "cache", None):
+        raise ValueError("kvshrink: give the cache FILE or --store, not both")
+    options = _parse_options(args.option)
+    resolve_options(get_method(args.method), options)  # fail before loading the model
+    document = Path(args.document).read_text()
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    prefix, template = document_prompt(tokenizer, document)
+    store = _open_store(args)
+    start = time.perf_counter()
+    cache, how = store.cache_for(model, prefix, args.method, prefill=_store_prefill(args, False),
+                                 extra={"question_template": template}, **options)
+    seconds = time.perf_counter() - start
+    print(f"{store.url}: {len(prefix)} document tokens, {how} in {seconds:.2f} s ({cache.summary()})",
+          file=sys.stderr)
+    return model, tokenizer, cache, prefix, template, seconds
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
@@ -186,8 +242,13 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     questions = [q.strip() for q in Path(args.questions).read_text().splitlines() if q.strip()]
     if not questions:
         raise ValueError(f"kvshrink: no questions in {args.questions} (one per line)")
-    model, tokenizer, cache, prefix, template, load_s = _load_cached(args.cache, args)
-    print(f"loaded {args.cache}: {cache.summary()} in {load_s:.2f} s")
+    if args.store:
+        model, tokenizer, cache, prefix, template, load_s = _from_store(args)
+    elif args.cache:
+        model, tokenizer, cache, prefix, template, load_s = _load_cached(args.cache, args)
+        print(f"loaded {args.cache}: {cache.summary()} in {load_s:.2f} s")
+    else:
+        raise ValueError("kvshrink: give the cache FILE or --store URL with --document")
     ttfts, answers = [], []
     for i, question in enumerate(questions, 1):
         start = time.perf_counter()
@@ -197,7 +258,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         answers.append(text)
         print(f"Q{i}: {question}\nA{i}: {text}\n    [time to first token {ttft:.2f} s, from a fork of the loaded cache]")
     mean = sum(ttfts) / len(ttfts)
-    print(f"time to first token: {mean:.2f} s mean over {len(ttfts)} questions (+ {load_s:.2f} s to load the file once)")
+    print(f"time to first token: {mean:.2f} s mean over {len(ttfts)} questions (+ {load_s:.2f} s to load the "
+          f"{'entry' if args.store else 'file'} once)")
     if args.baseline:
         import torch
 
@@ -206,7 +268,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         prefill(model, fresh, torch.tensor([prefix], device=model.device), args.chunk)
         text, ttft = answer_from(model, tokenizer, fresh, prefix, question_ids(tokenizer, template, questions[0]),
                                  args.max_new_tokens, start)
-        print(f"fresh prefill of document + Q1: time to first token {ttft:.2f} s; from the file "
+        print(f"fresh prefill of document + Q1: time to first token {ttft:.2f} s; from the {'store' if args.store else 'file'} "
               f"{(load_s + ttfts[0]) / ttft:.1%} of it (load + Q1); same answer: {text == answers[0]}")
     return 0
 
@@ -226,12 +288,49 @@ def _generate_from_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_from_store(args: argparse.Namespace) -> int:
+    """The longest stored prefix of the prompt, then a prefill of the rest. With ``--document``, the
+    prompt is a question about it and the document's entry is made (once) if missing."""
+    from kvshrink import load_model, make_cache
+    from kvshrink.cache.registry import get_method, resolve_options
+
+    question = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    if not question.strip():
+        raise ValueError("empty prompt: give a question or text with --prompt or --prompt-file")
+    start = None
+    if args.document:
+        model, tokenizer, cache, prefix, template, _ = _from_store(args)
+        rest = question_ids(tokenizer, template, question)
+        start = time.perf_counter()
+    else:
+        options = _parse_options(args.option)
+        resolve_options(get_method(args.method), options)
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+        ids = chat_input_ids(tokenizer, question)["input_ids"][0].tolist()
+        store = _open_store(args)
+        start = time.perf_counter()
+        cache = store.get(model, ids, args.method, max_tokens=len(ids) - 1, **options)  # >= 1 token left to run
+        if cache is None:
+            cache = make_cache(args.method, model, **options)
+        held = cache.get_seq_length()
+        prefix, rest = ids[:held], ids[held:]
+        print(f"{store.url}: {held} of {len(ids)} prompt tokens from the store", file=sys.stderr)
+    text, ttft = answer_from(model, tokenizer, cache, prefix, rest, args.max_new_tokens, start)
+    print(text)
+    print(f"[{cache.summary()}, first token after {ttft:.2f} s]", file=sys.stderr if args.quiet_summary else sys.stdout)
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvshrink import load_model
     from kvshrink.cache.registry import get_method, resolve_options
 
     if args.cache:
         return _generate_from_cache(args)
+    if args.store:
+        return _generate_from_store(args)
+    if args.document:
+        raise ValueError("kvshrink: --document goes with --store (or compress it, then --cache FILE)")
     options = _parse_options(args.option)
     resolve_options(get_method(args.method), options)  # fail before loading the model
     if args.prompt_file:
@@ -275,6 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet-summary", action="store_true", help="print the cache summary on stderr")
     p.add_argument("--cache", default=None, metavar="FILE.kvs",
                    help="answer the prompt as a question about the document compressed in FILE (kvshrink compress)")
+    p.add_argument("--store", default=None, metavar="URL",
+                   help="a cache store (folder or redis://host:port/db): start from the longest stored prefix of the prompt")
+    p.add_argument("--document", default=None, metavar="FILE",
+                   help="with --store: the prompt is a question about FILE, whose cache is stored once for every worker")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (with --store --document)")
     add_device_arguments(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -283,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="method option (repeatable, or comma separated)")
     p.add_argument("--prompt-file", required=True, help="the document (text)")
-    p.add_argument("--out", required=True, help="the cache file to write (e.g. doc.kvs)")
+    p.add_argument("--out", default=None, help="the cache file to write (e.g. doc.kvs)")
+    p.add_argument("--store", default=None, metavar="URL",
+                   help="also (or instead) put the cache in a store: a folder or redis://host:port/db")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk in tokens (Shard prefills much faster in one call)")
     p.add_argument("--no-entropy", dest="entropy", action="store_false",
                    help="store the tensors as held in memory, not losslessly coded (larger file, faster save and load)")
@@ -292,8 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_compress)
 
     p = sub.add_parser("ask", help="answer questions (one per line) about a document compressed by `compress`")
-    p.add_argument("cache", metavar="FILE.kvs")
+    p.add_argument("cache", metavar="FILE.kvs", nargs="?", help="a file written by compress (or use --store)")
     p.add_argument("--questions", required=True, help="text file, one question per line")
+    p.add_argument("--store", default=None, metavar="URL",
+                   help="take the document's cache from a store (folder or redis://host:port/db); made once if missing")
+    p.add_argument("--document", default=None, metavar="FILE", help="with --store: the document (text)")
+    p.add_argument("--method", default="shard", help="with --store: the method of the stored cache")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="with --store: method option")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--model", default=None, help="the model that made the file (default: embedded SmolLM2)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
