@@ -581,7 +581,8 @@ for bits, groups in ((8, 1), (5, 8)):
 codes = dict(codes_ptr="*u8", norm_ptr="*fp16", signs_ptr="*u8", qjl_ptr="*fp16")
 sig = {f"{kv}_{name}": kind for kv in "kv" for name, kind in codes.items()}
 sig.update(centroids_ptr="*fp32", q_ptr="*bf16", qs_ptr="*fp32", rot_ptr="*fp32", sketch_ptr="*fp32",
-           out_ptr="*fp32", lse_ptr="*fp32", scaling="fp32", qjl_scale="fp32")
+           k_centre_ptr="*fp32", v_centre_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", scaling="fp32",
+           qjl_scale="fp32")
 sig = {name: sig.get(name, "constexpr" if name.isupper() else "i32") for name in sca._stream_attention_kernel.arg_names}
 for rotate in (True, False):
     k = compile(ASTSource(sca._stream_attention_kernel, sig, dict(BITS=3, QJL=True, ROTATE=rotate, DP=128,
@@ -603,7 +604,8 @@ k = compile(ASTSource(sca._values_kernel, sig, dict(ENTRIES=256, GROUP=4, DP=128
             target=target)
 assert "cubin" in k.asm, list(k.asm)
 sig = {name: "constexpr" if name.isupper() else "i32" for name in sca._turbo_encode_kernel.arg_names}
-sig.update(x_ptr="*bf16", rotation_ptr="*fp32", bounds_ptr="*fp32", codes_ptr="*u8", norm_ptr="*fp16")
+sig.update(x_ptr="*bf16", centre_ptr="*fp32", rotation_ptr="*fp32", bounds_ptr="*fp32", codes_ptr="*u8",
+           norm_ptr="*fp16")
 for bits in (3, 4):
     group = 8 // math.gcd(8, bits)
     consts = dict(BITS=bits, N_BOUNDS=(1 << bits) - 1, GROUP=group, GROUP_BYTES=group * bits // 8, DP=128, BLOCK_M=16)

@@ -188,7 +188,14 @@ def _stream_growth(held: int) -> int:
 
 @dataclass
 class TurboSegment:
-    """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt).
+    """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt), each coded less its ``centre``.
+
+    The centre (``[2, B, H_kv, d]`` float32: the keys', the values') is the mean of the exact window's tokens when
+    the first token enters (`ShardLayer.centre_stream`). Keys carry a large shared part (a key projection's bias,
+    outlier channels); a data-oblivious code of the whole key spends its levels on that part and its error, a
+    share of the key's norm, swamps the small part that tells tokens apart. Less the centre, the code spends
+    them on what differs; attention adds the centre back exactly (``q . centre`` to every score, so to the
+    partial's lse alone; the value centre to the output). None: zero.
 
     On the GPU path they are views of one ``buffer`` (``[2, B, H_kv, capacity, ...]``, keys then values)
     that the encode kernel writes in place, so a decode step appends without a concatenation."""
@@ -199,6 +206,7 @@ class TurboSegment:
     n: int = 0
     runs: list = None  # (first index, count) of each appended run; python ints, for `dequantized`
     buffer: TurboCode | None = None
+    centre: torch.Tensor | None = None
 
     def add_run(self, start: int, count: int) -> None:
         """Record tokens ``start .. start+count-1`` as appended: one run with the last when they follow it (a
@@ -256,7 +264,12 @@ class TurboSegment:
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.runs])
 
     def tensors(self) -> list[torch.Tensor]:
-        return [] if self.keys is None else self.keys.tensors() + self.values.tensors()
+        centre = [] if self.centre is None else [self.centre]
+        return centre + ([] if self.keys is None else self.keys.tensors() + self.values.tensors())
+
+    def centre_of(self, kind: int) -> torch.Tensor | None:
+        """The keys' (``kind`` 0) or the values' (1) centre ``[B, H_kv, 1, d]``, broadcasting over tokens."""
+        return None if self.centre is None else self.centre[kind].unsqueeze(-2)
 
 
 def stack_scopes(codes: list[PCACode]) -> tuple[torch.Tensor, torch.Tensor]:
