@@ -288,8 +288,10 @@ class ShardLayer(CacheLayer):
     def centre_stream(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The stream's centre (`TurboSegment`), as its first tokens arrive: the mean of the exact window's keys
         and values ``[B, H_kv, n, d]`` (post-RoPE: the slowly turning channels, where a key projection's bias
-        and outliers sit, keep their value over the tokens that follow; the fast ones average out)."""
-        self.stream.centre = torch.stack([keys.float().mean(2), values.float().mean(2)]).contiguous()
+        and outliers sit, keep their value over the tokens that follow; the fast ones average out). Zero for a
+        stream already holding tokens coded without one."""
+        centre = torch.stack([keys.float().mean(2), values.float().mean(2)])
+        self.stream.centre = (torch.zeros_like(centre) if self.stream.n else centre).contiguous()
 
     def ring_step_compiled(self, ring: ExactRing, key: torch.Tensor, value: torch.Tensor) -> bool:
         """A decode step's commit to a full float16 ring in one numba pass (`fused.ring_step`: the oldest token
