@@ -279,8 +279,7 @@ class ShardLayer(CacheLayer):
     def ring_window(ring: ExactRing, new: tuple[torch.Tensor, torch.Tensor] | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values ``[B, H_kv, n, d]`` of the ring's window, then ``new`` (when not in the ring)."""
-        rows = ring._window_positions()
-        keys, values = ring.keys.index_select(2, rows).float(), ring.values.index_select(2, rows).float()
+        keys, values = (x.float() for x in ring.window())
         if new is not None:
             keys, values = torch.cat([keys, new[0].float()], 2), torch.cat([values, new[1].float()], 2)
         return keys, values
