@@ -278,10 +278,11 @@ class ShardLayer(CacheLayer):
     @staticmethod
     def ring_window(ring: ExactRing, new: tuple[torch.Tensor, torch.Tensor] | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values ``[B, H_kv, n, d]`` of the ring's window, then ``new`` (when not in the ring)."""
+        """The keys and values ``[B, H_kv, n, d]`` of the ring's window, then ``new`` (when not in the ring; rounded
+        to the ring's dtype, as the window stores it)."""
         keys, values = (x.float() for x in ring.window())
         if new is not None:
-            keys, values = torch.cat([keys, new[0].float()], 2), torch.cat([values, new[1].float()], 2)
+            keys, values = (torch.cat([held, x.to(ring.dtype).float()], 2) for held, x in zip((keys, values), new))
         return keys, values
 
     def centre_stream(self, keys: torch.Tensor, values: torch.Tensor) -> None:
