@@ -796,11 +796,13 @@ if numba is not None:
         return largest
 
     @njit(cache=True)
-    def _ring_step(kv, slot, key, value, pow2, rotation_t, bounds, bits, codes, norm_words, centre, at):  # pragma: no cover
+    def _ring_step(kv, slot, key, value, pow2, rotation_t, bounds, bits, codes, norm_words, centre,
+                   at):  # pragma: no cover - compiled
         # A full ring's decode step: the token in ``slot`` of ``kv [2, R, S, d]`` (float16 words), less its row's
         # ``centre [2R, d]``, TurboQuant-coded into token ``at`` of the stream (``codes [2R, cap, bytes]``,
-        # ``norm_words [2R, cap]``, rows keys then values, as `_turbo_encode`), then the new ``key/value [R, d]`` (float32) narrowed into that slot; nothing
-        # done when a new value is beyond float16's range. Returns the largest float32 word read, without sign.
+        # ``norm_words [2R, cap]``, rows keys then values, as `_turbo_encode`), then the new ``key/value [R, d]``
+        # (float32) narrowed into that slot; nothing done when a new value is beyond float16's range. Returns the
+        # largest float32 word read, without sign.
         words = (key.view(np.uint32), value.view(np.uint32))
         largest = max(largest_word(words[0]), largest_word(words[1]))
         if _F32_FP16_OVERFLOW <= largest <= _F32_INF:
