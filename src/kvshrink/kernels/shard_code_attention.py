@@ -688,8 +688,8 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float, ce
         _stream_attention_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
             keys.codes, keys.norm, k_signs, k_qjl, values.codes, values.norm, v_signs, v_qjl, centroids, q, qs,
             rotation, sketch_arg, k_centre, centre[1], out, lse, float(scaling), qjl_scale, n, capacity,
-            keys.codes.shape[-1], sign_bytes, rows, dim, *rotation.stride(), BITS=turbo.bits, QJL=qjl, ROTATE=rotate, DP=dp,
-            BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+            keys.codes.shape[-1], sign_bytes, rows, dim, *rotation.stride(), BITS=turbo.bits, QJL=qjl,
+            ROTATE=rotate, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     return out, lse
 
 
@@ -699,7 +699,8 @@ def _turbo_encode_kernel(x_ptr, centre_ptr, rotation_ptr, bounds_ptr, codes_ptr,
                          BITS: tl.constexpr, N_BOUNDS: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_BYTES: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr):
     # rows m = row * n + token of x, less its row's centre [n_rows, dim]; each: norm, unit vector rotated, the
-    # index of its interval among the boundaries (torch.bucketize), packed little-endian (GROUP codes fill GROUP_BYTES bytes exactly)
+    # index of its interval among the boundaries (torch.bucketize), packed little-endian (GROUP codes fill
+    # GROUP_BYTES bytes exactly)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < n_rows * n
     row = offs_m // n
