@@ -79,6 +79,20 @@ def test_distribution_agreement_is_kl_and_top1_share():
         scoring.distribution_agreement(ref, ref[:1])
 
 
+def test_free_running_kl_covers_the_steps_with_the_same_history():
+    import torch
+
+    ref = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0]]), -1)
+    other = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0], [1.5, 1.0, 0.0], [3.0, 0.0, 0.0]]), -1)
+    step = [float((ref[i].exp() * (ref[i] - other[i])).sum()) for i in range(3)]
+    assert scoring.free_running_kl(ref, other, None) == pytest.approx(sum(step) / 3)
+    # differing at step 1: steps 0 and 1 shared their history, step 2 did not
+    assert scoring.free_running_kl(ref, other, 1) == pytest.approx((step[0] + step[1]) / 2)
+    assert scoring.free_running_kl(ref, other[:2], None) == pytest.approx((step[0] + step[1]) / 2)
+    with pytest.raises(ValueError, match="step"):
+        scoring.free_running_kl(ref, other[:0], None)
+
+
 def test_token_agreement_counts_divergence_and_length():
     assert scoring.token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (100.0, None)
     assert scoring.token_agreement([1, 2, 3, 4], [1, 9, 3, 4]) == (75.0, 1)

@@ -489,3 +489,29 @@ def test_a_saved_cache_is_refused_by_the_model_with_one_layers_mlp_weights_pertu
     with pytest.raises(CacheFileError, match="made with another model"):
         load_cache(path, tuned)
     assert load_cache(path, model).get_seq_length() == PREFIX
+
+
+def test_a_shard_cache_saved_while_decoding_keeps_its_stream_and_centre(model, tokens, tmp_path):
+    """Tokens that left the window while decoding are held in Shard's stream, coded less a centre: a cache saved
+    then loads with the same codes and centre and decodes on as the cache it was saved from."""
+    prefix, question, _ = tokens
+    options = dict(METHODS[1][1])
+    cache = prefilled(model, "shard", options, prefix)
+    with torch.no_grad():
+        for token in question[0]:           # one decode step a token: each pushes one token into the stream
+            model(input_ids=token.view(1, 1), past_key_values=cache)
+    stream = cache.layers[0].stream
+    assert stream.n == QUESTION and stream.centre is not None and stream.centre.shape[0] == 2
+    cache.save(tmp_path / "decoding.kvs")
+    loaded = load_cache(tmp_path / "decoding.kvs", model)
+    # (the blocks' decode-time derived parts are not saved: the stream's bytes are compared)
+    assert loaded.layers[0].breakdown()["stream"] == cache.layers[0].breakdown()["stream"]
+    torch.testing.assert_close(loaded.layers[0].stream.centre, stream.centre, rtol=0, atol=0)
+    with torch.no_grad():
+        for token in (7, 9, 11):
+            step = torch.tensor([[token]])
+            want = model(input_ids=step, past_key_values=cache).logits
+            got = model(input_ids=step, past_key_values=loaded).logits
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for c in (cache, loaded):
+        c.close()

@@ -478,8 +478,15 @@ def test_the_one_pass_stream_attention_equals_the_torch_ops(bits):
     query = torch.randn(2, 3, 4, 16, generator=g)
     out, lse = fused.turbo_attention(turbo, query, keys, values, 0.25)
     probs, want_lse = _softmax_part(turbo.inner_products(query, keys) * 0.25)
-    torch.testing.assert_close(out, turbo.weighted_sum(probs, values), atol=1e-5, rtol=1e-5)
+    want = turbo.weighted_sum(probs, values)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    # vectors coded less their centres: every score gains q . key centre (the lse alone), the output the value one
+    centre = torch.randn(2, 2, 3, 16, generator=g) * 4
+    out, lse = fused.turbo_attention(turbo, query, keys, values, 0.25, centre)
+    torch.testing.assert_close(out, want + centre[1].unsqueeze(-2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse + (query * centre[0].unsqueeze(-2)).sum(-1) * 0.25, atol=1e-4,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("dim,bits", [(64, 2), (64, 1), (48, 4), (128, 8)])
@@ -495,13 +502,17 @@ def test_the_one_pass_stream_encode_equals_turbo_encode(dim, bits):
     ring[1, 1, 2, 6] *= 1e4                        # a norm beyond float16's largest: inf, as torch rounds it
     ring[0, 1, 1, 6] = 0.0                         # a zero vector
     x = ring[:, :, :, 5:7]                         # two tokens of the ring, not contiguous
-    want = turbo.encode(x.float())
-    codes = torch.zeros(2, 2, 3, 10, want.codes.shape[-1], dtype=torch.uint8)
-    norm = torch.zeros(2, 2, 3, 10, dtype=torch.float16)
-    fused.turbo_encode_into(turbo, x, codes, norm, 3)
-    assert torch.equal(codes[..., 3:5, :], want.codes)
-    assert torch.equal(norm[..., 3:5].view(torch.int16), want.norm.view(torch.int16))
-    assert not codes[..., :3, :].any() and not codes[..., 5:, :].any() and not norm[..., 5:].any()
+    centre = torch.randn(2, 2, 3, dim, generator=torch.Generator().manual_seed(5)) * 3
+    centre[0, 0, 0] = 0.0                          # the tiny norm and the zero vector kept for their row
+    centre[0, 1, 1] = 0.0
+    for given in (None, centre):
+        want = turbo.encode(x.float() - (0.0 if given is None else given.unsqueeze(-2)))
+        codes = torch.zeros(2, 2, 3, 10, want.codes.shape[-1], dtype=torch.uint8)
+        norm = torch.zeros(2, 2, 3, 10, dtype=torch.float16)
+        fused.turbo_encode_into(turbo, x, codes, norm, 3, given)
+        assert torch.equal(codes[..., 3:5, :], want.codes)
+        assert torch.equal(norm[..., 3:5].view(torch.int16), want.norm.view(torch.int16))
+        assert not codes[..., :3, :].any() and not codes[..., 5:, :].any() and not norm[..., 5:].any()
 
 
 @pytest.mark.parametrize("planted", [None, 65504.0, 65520.0, -1e5, float("inf"), float("nan"), "nan in the ring"])
@@ -522,16 +533,17 @@ def test_the_one_pass_ring_step_equals_pop_encode_and_put(planted):
     elif planted is not None:
         key[0, 1, 0, 9] = planted
     codes, norm = torch.zeros(2, 1, 3, 5, 16, dtype=torch.uint8), torch.zeros(2, 1, 3, 5, dtype=torch.float16)
+    centre = torch.randn(2, 1, 3, 64, generator=g)
     want_kv, want_codes, want_norm = kv.clone(), codes.clone(), norm.clone()
     try:
         new = torch.stack([to_storage(key, torch.float16), to_storage(value, torch.float16)])
-        fused.turbo_encode_into(turbo, want_kv[:, :, :, 4:5], want_codes, want_norm, 2)
+        fused.turbo_encode_into(turbo, want_kv[:, :, :, 4:5], want_codes, want_norm, 2, centre)
         want_kv[:, :, :, 4:5] = new
         refused = False
     except ValueError:
         refused = True
     given = kv.clone()
-    peak = fused.ring_step(turbo, fused.ring_words(kv), 4, key, value, *fused.stream_words(codes, norm), 2)
+    peak = fused.ring_step(turbo, fused.ring_words(kv), 4, key, value, *fused.stream_words(codes, norm), 2, centre)
     assert (peak is not None) == refused
     if refused:
         assert peak == abs(planted) and torch.equal(kv.view(torch.int16), given.view(torch.int16))

@@ -235,20 +235,24 @@ KERNEL_CASES = [dict(key_bits=2.0), dict(key_bits=5.0, pca_group=3, salient=0.05
 
 @pytest.mark.parametrize("dim,bits", [(64, 2), (64, 3), (48, 4), (128, 8)])
 def test_stream_encode_kernel_equals_turbo_encode(dim, bits):
-    """`turbo_encode_into` writes `TurboQuantizer.encode`'s codes and norms, bit for bit, into tokens
-    ``at ..`` of a buffer, reading keys and values where they lie (a strided slot of a ring buffer)."""
+    """`turbo_encode_into` writes `TurboQuantizer.encode`'s codes and norms of the vectors less their row's
+    centre (or of the vectors themselves, with none), bit for bit, into tokens ``at ..`` of a buffer, reading
+    keys and values where they lie (a strided slot of a ring buffer)."""
     from kvshrink.codecs.lloyd_max import TurboQuantizer
 
+    g = torch.Generator().manual_seed(4)
     turbo = TurboQuantizer(dim, bits, seed=1)
-    ring = torch.randn(2, 2, 3, 9, dim, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    ring = torch.randn(2, 2, 3, 9, dim, generator=g).to(torch.float16)
     x = ring[:, :, :, 5:7]                                   # two tokens of the ring, not contiguous
-    want = turbo.encode(x.float())
-    codes = torch.zeros(2, 2, 3, 10, want.codes.shape[-1], dtype=torch.uint8)
-    norm = torch.zeros(2, 2, 3, 10, dtype=torch.float16)
-    with force_gpu_path():
-        sca.turbo_encode_into(turbo, x, codes, norm, 3)
-    assert torch.equal(codes[..., 3:5, :], want.codes) and torch.equal(norm[..., 3:5], want.norm)
-    assert not codes[..., :3, :].any() and not codes[..., 5:, :].any()
+    centre = torch.randn(2, 2, 3, dim, generator=g) * 3
+    for given in (None, centre):
+        want = turbo.encode(x.float() - (0.0 if given is None else given.unsqueeze(-2)))
+        codes = torch.zeros(2, 2, 3, 10, want.codes.shape[-1], dtype=torch.uint8)
+        norm = torch.zeros(2, 2, 3, 10, dtype=torch.float16)
+        with force_gpu_path():
+            sca.turbo_encode_into(turbo, x, codes, norm, 3, given)
+        assert torch.equal(codes[..., 3:5, :], want.codes) and torch.equal(norm[..., 3:5], want.norm)
+        assert not codes[..., :3, :].any() and not codes[..., 5:, :].any()
 
 
 def test_the_stream_buffer_grows_and_compacts():
@@ -367,7 +371,8 @@ def test_pair_rope_kernel_equals_the_steps_rope_tables(half, start, n):
 def test_stream_kernels_equal_the_torch_stream(dim, bits, qjl, rows, rotate_in_kernel, monkeypatch):
     """`turbo_attention` == `TurboQuantizer.inner_products` / softmax / `weighted_sum` (the CPU path's
     stream partial): straddling 3-bit codes, the QJL sketch, a non-Hadamard rotation (24), row tiles,
-    queries rotated in the kernel (decode) or before it (many rows)."""
+    queries rotated in the kernel (decode) or before it (many rows); the vectors' centres added back (every
+    score's ``q . key centre``, the value centre to the output) as the layer's torch stream adds them."""
     from kvshrink.codecs.lloyd_max import TurboQuantizer
 
     if not rotate_in_kernel:
@@ -377,12 +382,16 @@ def test_stream_kernels_equal_the_torch_stream(dim, bits, qjl, rows, rotate_in_k
     turbo = TurboQuantizer(dim, bits, qjl=qjl, seed=1)
     keys, values = (turbo.encode(torch.randn(2, 2, 45, dim, generator=g)) for _ in range(2))
     q = torch.randn(2, 2, rows, dim, generator=g)
+    centre = torch.randn(2, 2, 2, dim, generator=g)
     probs, want_lse = shard_layer._softmax_part(turbo.inner_products(q, keys) * 0.125)
     want = turbo.weighted_sum(probs, values)
     for tiles in (None, sca.GPU_TILES):
         out, lse = sca.turbo_attention(turbo, q, keys, values, 0.125, tiles=tiles)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    out, lse = sca.turbo_attention(turbo, q, keys, values, 0.125, centre)
+    torch.testing.assert_close(out, want + centre[1].unsqueeze(-2), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse + (q * centre[0].unsqueeze(-2)).sum(-1) * 0.125, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("opts", [dict(stream_bits=4), dict(stream_bits=3, qjl=True)])
@@ -584,7 +593,8 @@ for bits, groups in ((8, 1), (5, 8)):
 codes = dict(codes_ptr="*u8", norm_ptr="*fp16", signs_ptr="*u8", qjl_ptr="*fp16")
 sig = {f"{kv}_{name}": kind for kv in "kv" for name, kind in codes.items()}
 sig.update(centroids_ptr="*fp32", q_ptr="*bf16", qs_ptr="*fp32", rot_ptr="*fp32", sketch_ptr="*fp32",
-           out_ptr="*fp32", lse_ptr="*fp32", scaling="fp32", qjl_scale="fp32")
+           k_centre_ptr="*fp32", v_centre_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", scaling="fp32",
+           qjl_scale="fp32")
 sig = {name: sig.get(name, "constexpr" if name.isupper() else "i32") for name in sca._stream_attention_kernel.arg_names}
 for rotate in (True, False):
     k = compile(ASTSource(sca._stream_attention_kernel, sig, dict(BITS=3, QJL=True, ROTATE=rotate, DP=128,
@@ -606,7 +616,8 @@ k = compile(ASTSource(sca._values_kernel, sig, dict(ENTRIES=256, GROUP=4, DP=128
             target=target)
 assert "cubin" in k.asm, list(k.asm)
 sig = {name: "constexpr" if name.isupper() else "i32" for name in sca._turbo_encode_kernel.arg_names}
-sig.update(x_ptr="*bf16", rotation_ptr="*fp32", bounds_ptr="*fp32", codes_ptr="*u8", norm_ptr="*fp16")
+sig.update(x_ptr="*bf16", centre_ptr="*fp32", rotation_ptr="*fp32", bounds_ptr="*fp32", codes_ptr="*u8",
+           norm_ptr="*fp16")
 for bits in (3, 4):
     group = 8 // math.gcd(8, bits)
     consts = dict(BITS=bits, N_BOUNDS=(1 << bits) - 1, GROUP=group, GROUP_BYTES=group * bits // 8, DP=128, BLOCK_M=16)

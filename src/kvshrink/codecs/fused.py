@@ -664,11 +664,13 @@ if numba is not None:
                 vec[j * per + m] = levels[m]
 
     @njit(cache=True, fastmath=_FASTMATH)
-    def _turbo_attention(q, rotation_t, k_codes, k_norm, v_codes, v_norm, per_byte, pow2, scaling, out,
+    def _turbo_attention(q, rotation_t, k_codes, k_norm, v_codes, v_norm, centre, per_byte, pow2, scaling, out,
                          lse):  # pragma: no cover - compiled
         # queries q [B, H, R, d] (the model's channels) over n TurboQuant-coded keys and values [B, H, n, bytes]
-        # (norms as float16 words [B, H, n]): rotated (q @ M; rotation_t = M.T), attended in the rotated
-        # domain, the output rotated back (@ M.T) -> out [B, H, R, d], lse [B, H, R]
+        # (norms as float16 words [B, H, n]) of vectors less their centre [2, B, H, d] (keys', values'): rotated
+        # (q @ M; rotation_t = M.T), attended in the rotated domain, the output rotated back (@ M.T) -> out
+        # [B, H, R, d], lse [B, H, R]. The key centre adds q . centre to every score: to the lse alone; the value
+        # centre adds itself to the output (the probabilities sum to one)
         batch, heads, rows, d = q.shape
         n = k_codes.shape[2]
         scores = np.empty((rows, n), np.float32)
@@ -700,7 +702,10 @@ if numba is not None:
                     for t in range(n):
                         row[t] = np.exp(row[t] - top)
                         total += row[t]
-                    lse[b, h, r] = top + np.log(total)
+                    shift = np.float32(0.0)
+                    for e in range(d):
+                        shift += q[b, h, r, e] * centre[0, b, h, e]
+                    lse[b, h, r] = top + np.log(total) + shift * scaling
                     acc[r] = 0.0
                     for t in range(n):
                         row[t] /= total
@@ -716,7 +721,7 @@ if numba is not None:
                         x = np.float32(0.0)
                         for j in range(d):
                             x += acc[r, j] * rotation_t[j, e]
-                        out[b, h, r, e] = x
+                        out[b, h, r, e] = x + centre[1, b, h, e]
 
     @njit(cache=True)
     def _ring_attention(q, kv, live, bf16, pow2, new_k, new_v, scaling, out, lse, key_bits, value_bits,
@@ -791,11 +796,13 @@ if numba is not None:
         return largest
 
     @njit(cache=True)
-    def _ring_step(kv, slot, key, value, pow2, rotation_t, bounds, bits, codes, norm_words, at):  # pragma: no cover
-        # A full ring's decode step: the token in ``slot`` of ``kv [2, R, S, d]`` (float16 words) TurboQuant-coded
-        # into token ``at`` of the stream (``codes [2R, cap, bytes]``, ``norm_words [2R, cap]``, rows keys then
-        # values, as `_turbo_encode`), then the new ``key/value [R, d]`` (float32) narrowed into that slot; nothing
-        # done when a new value is beyond float16's range. Returns the largest float32 word read, without sign.
+    def _ring_step(kv, slot, key, value, pow2, rotation_t, bounds, bits, codes, norm_words, centre,
+                   at):  # pragma: no cover - compiled
+        # A full ring's decode step: the token in ``slot`` of ``kv [2, R, S, d]`` (float16 words), less its row's
+        # ``centre [2R, d]``, TurboQuant-coded into token ``at`` of the stream (``codes [2R, cap, bytes]``,
+        # ``norm_words [2R, cap]``, rows keys then values, as `_turbo_encode`), then the new ``key/value [R, d]``
+        # (float32) narrowed into that slot; nothing done when a new value is beyond float16's range. Returns the
+        # largest float32 word read, without sign.
         words = (key.view(np.uint32), value.view(np.uint32))
         largest = max(largest_word(words[0]), largest_word(words[1]))
         if _F32_FP16_OVERFLOW <= largest <= _F32_INF:
@@ -810,17 +817,18 @@ if numba is not None:
                         leaving[i * rows + r, 0, e] = np.nan if w & 0x3FF else (-np.inf if w & 0x8000 else np.inf)
                     else:
                         leaving[i * rows + r, 0, e] = _half_value(w, pow2)
-        _turbo_encode(leaving, rotation_t, bounds, bits, codes, norm_words, at)
+        _turbo_encode(leaving, centre, rotation_t, bounds, bits, codes, norm_words, at)
         for i in range(2):
             for r in range(rows):
                 narrow_row(words[i][r], kv[i, r, slot])
         return largest
 
     @njit(cache=True, fastmath=_FASTMATH)
-    def _turbo_encode(x, rotation_t, bounds, bits, codes, norm_words, at):  # pragma: no cover - compiled
-        # rows x [M, n, d] (float32) -> TurboQuant codes written into tokens at .. at+n-1 of codes [M, cap, bytes]
-        # and their norms (float16 words) into norm_words [M, cap]: `TurboQuantizer.encode` without QJL
-        # (rotation_t: the rotation's transpose, so each rotated channel is a contiguous dot product)
+    def _turbo_encode(x, centre, rotation_t, bounds, bits, codes, norm_words, at):  # pragma: no cover - compiled
+        # rows x [M, n, d] (float32) less their row's centre [M, d] -> TurboQuant codes written into tokens at ..
+        # at+n-1 of codes [M, cap, bytes] and their norms (float16 words) into norm_words [M, cap]:
+        # `TurboQuantizer.encode` without QJL (rotation_t: the rotation's transpose, so each rotated channel is a
+        # contiguous dot product)
         rows, n, d = x.shape
         per_byte = 8 // bits
         unit = np.empty(d, np.float32)
@@ -829,13 +837,15 @@ if numba is not None:
         for m in range(rows):
             for t in range(n):
                 v = x[m, t]
+                c = centre[m]
                 total = np.float32(0.0)
                 for e in range(d):
-                    total += v[e] * v[e]
+                    unit[e] = v[e] - c[e]
+                    total += unit[e] * unit[e]
                 norm = np.float32(np.sqrt(total))
                 scale = max(norm, np.float32(1e-12))
                 for e in range(d):
-                    unit[e] = v[e] / scale
+                    unit[e] = unit[e] / scale
                 out = codes[m, at + t]
                 out[:] = 0
                 for j in range(d):
@@ -1212,14 +1222,25 @@ def turbo_supported(turbo) -> bool:
     return available() and 8 % turbo.bits == 0 and not turbo.qjl
 
 
-def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
+                    centre: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped ``query [B, H_kv, R, d]`` over TurboQuant-coded ``keys`` and ``values``
-    (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors) on CPU, in one pass: ``(out [B, H_kv, R, d]
-    float32, lse [B, H_kv, R])``, what ``turbo.inner_products``, a softmax and ``turbo.weighted_sum`` give,
+    (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors, each coded less its ``centre [2, B, H_kv, d]``:
+    the keys', the values'; None: zero) on CPU, in one pass: ``(out [B, H_kv, R, d] float32, lse [B, H_kv, R])``,
+    what ``turbo.inner_products``, a softmax and ``turbo.weighted_sum`` give with the centres added back,
     without decoding the codes into tensors (`turbo_supported` says when it applies)."""
     out, lse = _outputs(query.shape)
-    _turbo_into(turbo, _numpy(query.float()), turbo_arrays(keys), turbo_arrays(values), np.float32(scaling), out, lse)
+    _turbo_into(turbo, _numpy(query.float()), turbo_arrays(keys), turbo_arrays(values), np.float32(scaling), out, lse,
+                centre_array(centre, query.shape))
     return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def centre_array(centre: torch.Tensor | None, shape: tuple[int, ...]) -> np.ndarray:
+    """A stream's centres ``[2, B, H, d]`` as the kernels read them (float32 numpy; zeros for None), for vectors of
+    batch and heads ``shape[:2]``."""
+    if centre is None:
+        return np.zeros((2, shape[0], shape[1], shape[-1]), np.float32)
+    return _numpy(centre.float())
 
 
 def turbo_arrays(code) -> tuple[np.ndarray, np.ndarray]:
@@ -1229,35 +1250,44 @@ def turbo_arrays(code) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _turbo_into(turbo, query: np.ndarray, keys: tuple, values: tuple, scaling: np.float32, out: np.ndarray,
-                lse: np.ndarray) -> None:
+                lse: np.ndarray, centre: np.ndarray) -> None:
     rotation_t, _, per_byte = turbo_tables(turbo)
-    _turbo_attention(query, rotation_t, *keys, *values, per_byte, _HALF_POW2, scaling, out, lse)
+    _turbo_attention(query, rotation_t, *keys, *values, centre, per_byte, _HALF_POW2, scaling, out, lse)
 
 
-def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, at: int) -> None:
-    """`TurboQuantizer.encode` (no QJL; `turbo_supported`) of float ``x [..., n, d]`` on CPU in one pass, written
-    into tokens ``at .. at+n-1`` of ``codes [..., capacity, bytes]`` (uint8) and ``norm [..., capacity]``
-    (float16), contiguous buffers with the same leading dims (the stream's): nothing allocated per token.
-    The same codes as ``encode`` but where float32 rounding puts a rotated channel on the other side of a
-    boundary (summation order)."""
+def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, at: int,
+                      centre: torch.Tensor | None = None) -> None:
+    """`TurboQuantizer.encode` (no QJL; `turbo_supported`) of float ``x [..., n, d]`` less ``centre [..., d]`` (one
+    vector per leading row; None: zero) on CPU in one pass, written into tokens ``at .. at+n-1`` of ``codes [...,
+    capacity, bytes]`` (uint8) and ``norm [..., capacity]`` (float16), contiguous buffers with the same leading dims
+    (the stream's): nothing allocated per token. The same codes as ``encode(x.float() - centre)`` but where float32
+    rounding puts a rotated channel on the other side of a boundary (summation order)."""
     *lead, n, d = x.shape
     rows = x.numel() // max(1, n * d)
     rotation_t, bounds, _ = turbo_tables(turbo)
     codes_out, norm_words = stream_words(codes, norm)
-    _turbo_encode(_numpy(x.float().reshape(rows, n, d)), rotation_t, bounds, turbo.bits, codes_out, norm_words, at)
+    _turbo_encode(_numpy(x.float().reshape(rows, n, d)), _row_centres(centre, rows, d), rotation_t, bounds,
+                  turbo.bits, codes_out, norm_words, at)
+
+
+def _row_centres(centre: torch.Tensor | None, rows: int, d: int) -> np.ndarray:
+    """``centre`` (one vector per row, any leading shape) as ``[rows, d]`` float32 numpy; zeros for None."""
+    if centre is None:
+        return np.zeros((rows, d), np.float32)
+    return _numpy(centre.float().reshape(rows, d))
 
 
 def ring_step(turbo, kv: np.ndarray, slot: int, key: torch.Tensor, value: torch.Tensor, codes: np.ndarray,
-              norm: np.ndarray, at: int) -> float | None:
-    """A full ring's decode step on CPU in one pass: the key and value in ``slot`` of the ring ``kv`` (`ring_words`)
-    coded by ``turbo`` (`turbo_supported`) into token ``at`` of the stream's ``codes`` and ``norm`` (`stream_words`;
-    as `turbo_encode_into` codes them), then the new float32 ``key/value [B, H, 1, d]`` stored in the slot, rounded
-    as ``.to(float16)``. Returns None when done; when a new value is beyond float16's range, its magnitude, having
-    changed nothing."""
+              norm: np.ndarray, at: int, centre: torch.Tensor | None = None) -> float | None:
+    """A full ring's decode step on CPU in one pass: the key and value in ``slot`` of the ring ``kv`` (`ring_words`),
+    less their ``centre [2, B, H, d]`` (None: zero), coded by ``turbo`` (`turbo_supported`) into token ``at`` of the
+    stream's ``codes`` and ``norm`` (`stream_words`; as `turbo_encode_into` codes them), then the new float32
+    ``key/value [B, H, 1, d]`` stored in the slot, rounded as ``.to(float16)``. Returns None when done; when a new
+    value is beyond float16's range, its magnitude, having changed nothing."""
     rows, d = kv.shape[1], key.shape[-1]
     rotation_t, bounds, _ = turbo_tables(turbo)
     largest = _ring_step(kv, slot, _numpy(key).reshape(rows, d), _numpy(value).reshape(rows, d), _HALF_POW2,
-                         rotation_t, bounds, turbo.bits, codes, norm, at)
+                         rotation_t, bounds, turbo.bits, codes, norm, _row_centres(centre, 2 * rows, d), at)
     if _F32_FP16_OVERFLOW <= largest <= _F32_INF:
         return float(np.array(largest, dtype=np.uint32).view(np.float32))
     return None
@@ -1322,9 +1352,12 @@ class StepParts:
         ``dequantize_groups(code).to(dtype)`` gives them (rounded to ``dtype``'s mantissa)."""
         _int8_into(self.query, keys, values, self.scaling, dtype, *self._next())
 
-    def turbo(self, turbo, keys: tuple, values: tuple) -> None:
-        """`turbo_attention` over TurboQuant codes ``keys/values`` (`turbo_arrays`)."""
-        _turbo_into(turbo, self.query, keys, values, self.scaling, *self._next())
+    def turbo(self, turbo, keys: tuple, values: tuple, centre: np.ndarray | None = None) -> None:
+        """`turbo_attention` over TurboQuant codes ``keys/values`` (`turbo_arrays`) less their ``centre``
+        (`centre_array`; None: zero)."""
+        if centre is None:
+            centre = centre_array(None, self.query.shape)
+        _turbo_into(turbo, self.query, keys, values, self.scaling, *self._next(), centre)
 
     def ring(self, kv: np.ndarray, live: int, dtype: torch.dtype, new: tuple[torch.Tensor, torch.Tensor] | None
              ) -> None:

@@ -16,6 +16,7 @@ class DecodeResult:
     tokens: list[int]
     prefill_s: float
     decode_ms_per_token: float | None  # None when no token after the first was decoded
+    logprobs: torch.Tensor | None = None  # [len(tokens), vocab] float32: each step's distribution, when kept
 
 
 @dataclass
@@ -66,24 +67,28 @@ def prefill(model, cache, input_ids: list[int]) -> tuple[torch.Tensor, float]:
 
 @torch.no_grad()
 def greedy_decode(model, cache, input_ids: list[int], max_new_tokens: int,
-                  stop_ids: set[int] = frozenset(), prefilled: tuple[torch.Tensor, float] | None = None
-                  ) -> DecodeResult:
+                  stop_ids: set[int] = frozenset(), prefilled: tuple[torch.Tensor, float] | None = None,
+                  keep_logprobs: bool = False) -> DecodeResult:
     """Greedy tokens after ``input_ids``. ``prefilled``: ``(logits, seconds)`` of a prefill already run
-    into ``cache`` (a shared prefill, see kvshrink.eval.fanout)."""
+    into ``cache`` (a shared prefill, see kvshrink.eval.fanout). ``keep_logprobs``: also return each step's
+    next-token log-probabilities (free-running: every step after the first decoded through the cache)."""
     device = model_device(model)
     logits, prefill_s = prefilled or prefill(model, cache, input_ids)
     tokens: list[int] = []
+    kept = []
     t1 = time.perf_counter()
     for step in range(max_new_tokens):
         nxt = int(logits[0].argmax())
         tokens.append(nxt)
+        if keep_logprobs:
+            kept.append(torch.log_softmax(logits[0].float(), dim=-1).cpu())
         if nxt in stop_ids or step == max_new_tokens - 1:
             break
         logits = _step(model, cache, torch.tensor([[nxt]], device=device))
     _sync(device)
     decoded = len(tokens) - 1  # forwards after the prefill
     decode_ms = 1000 * (time.perf_counter() - t1) / decoded if decoded > 0 else None
-    return DecodeResult(tokens, prefill_s, decode_ms)
+    return DecodeResult(tokens, prefill_s, decode_ms, torch.stack(kept) if kept else None)
 
 
 @torch.no_grad()

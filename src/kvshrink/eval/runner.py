@@ -12,7 +12,7 @@ from . import cost as cost_task
 from .backend import KVShrinkBackend, cache_figures
 from .engine import eos_token_ids, greedy_decode, score_continuation
 from .results import RowWriter, now, prompt_digest, read_rows, row_key
-from .scoring import distribution_agreement, perplexity, score_answer, token_agreement
+from .scoring import distribution_agreement, free_running_kl, perplexity, score_answer, token_agreement
 from .suites import Suite
 from .tasks import Builder, Sample
 
@@ -102,7 +102,7 @@ class Runner:
                  backend=None, model=None, tokenizer=None):
         self.out_dir = out_dir
         self.specs = with_reference(specs)
-        self._reference_logprobs = None  # full's next-token log-probabilities on the current ppl sample
+        self._reference_logprobs = None  # full's next-token log-probabilities on the current ppl or agreement sample
         self.suite = suite
         self.opt = options
         self.backend = backend or KVShrinkBackend(options.model_ref, options.device, options.dtype)
@@ -198,6 +198,17 @@ class Runner:
         kl, top1 = distribution_agreement(self._reference_logprobs, logprobs)
         return {"kl": kl, "top1": top1}
 
+    def compare_free_running(self, spec: str, logprobs, first: int | None) -> dict:
+        """``free_kl``: KL(full || method) per step of the two free-running greedy decodes while their histories
+        are the same (`scoring.free_running_kl`; full's kept in memory for the sample's other methods, absent
+        when full's row came from an earlier run)."""
+        if spec == REFERENCE:
+            self._reference_logprobs = logprobs
+            return {"free_kl": 0.0}
+        if self._reference_logprobs is None:
+            return {}
+        return {"free_kl": free_running_kl(self._reference_logprobs, logprobs, first)}
+
     def run_one(self, s: Sample, spec: str, digest: str, reference: dict | None, stop: set[int],
                 cache=None, prefilled: tuple | None = None) -> dict:
         row = self.base_row(spec, s.task, s.subtask, s.length, s.depth, s.index, digest)
@@ -216,13 +227,15 @@ class Runner:
         else:
             # Agreement decodes its full length: stopping at EOS would make short answers "agree".
             res = greedy_decode(self.model, cache, s.input_ids, s.max_new_tokens,
-                                stop_ids=set() if s.metric == "agreement" else stop, prefilled=prefilled)
+                                stop_ids=set() if s.metric == "agreement" else stop, prefilled=prefilled,
+                                keep_logprobs=s.metric == "agreement")
             answer = self.tok.decode(res.tokens, skip_special_tokens=True)
             row["answer"] = answer[:ANSWER_CHARS]
             if s.metric == "agreement":
                 ref_tokens = reference["tokens"] if reference else res.tokens
                 share, first = token_agreement(ref_tokens, res.tokens)
                 row.update(tokens=res.tokens, agreement=share, first_divergence=first)
+                row.update(self.compare_free_running(spec, res.logprobs, first))
             else:
                 row.update(score=score_answer(s.metric, answer, s.expected), expected=s.expected)
         row.update(cache_figures(cache))

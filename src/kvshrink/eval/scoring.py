@@ -71,3 +71,16 @@ def distribution_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> 
     kl = (reference.exp() * (reference - candidate)).sum(-1).mean()
     top1 = (reference.argmax(-1) == candidate.argmax(-1)).float().mean()
     return float(kl), 100.0 * float(top1)
+
+
+def free_running_kl(reference: torch.Tensor, candidate: torch.Tensor, first_divergence: int | None) -> float:
+    """Mean KL(reference || candidate) in nats over the steps of two free-running greedy decodes (next-token
+    log-probabilities ``[T, vocab]``, each cache fed its own tokens) whose histories are the same: up to and
+    including the first step where their tokens differ (every step when they never do)."""
+    steps = min(len(reference), len(candidate))
+    if first_divergence is not None:
+        steps = min(steps, first_divergence + 1)
+    if steps == 0:
+        raise ValueError("free_running_kl needs at least one step of each decode")
+    ref, cand = reference[:steps], candidate[:steps]
+    return float((ref.exp() * (ref - cand)).sum(-1).mean())

@@ -545,14 +545,17 @@ def _turbo_signs(signs_ptr, row0, offs_t, t_ok, offs_i, i_ok, sign_bytes):
 
 @triton.jit
 def _stream_attention_kernel(k_codes_ptr, k_norm_ptr, k_signs_ptr, k_qjl_ptr, v_codes_ptr, v_norm_ptr, v_signs_ptr,
-                             v_qjl_ptr, centroids_ptr, q_ptr, qs_ptr, rot_ptr, sketch_ptr, out_ptr, lse_ptr, scaling,
+                             v_qjl_ptr, centroids_ptr, q_ptr, qs_ptr, rot_ptr, sketch_ptr, k_centre_ptr, v_centre_ptr,
+                             out_ptr, lse_ptr, scaling,
                              qjl_scale, n, capacity, n_bytes, sign_bytes, rows, dim, rot_row_stride, rot_col_stride,
                              BITS: tl.constexpr, QJL: tl.constexpr, ROTATE: tl.constexpr, DP: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     # one pass over the stream per block of query rows, softmax online: scores from the key codes against
     # the rotated queries (QJL sketch term included), probabilities times norms summed against the value
     # codes' centroids, unrotated at the end. ROTATE: the queries come as they are and are rotated here
-    # (decode: few rows); else rotated (and sketched) already
+    # (decode: few rows); else rotated (and sketched) already. The tokens were coded less their centres
+    # [B*H, d]: the key centre (in the queries' domain as they come) adds q . centre to every score, so to the
+    # lse alone; the value centre (the model's channels) adds itself to the output
     pid_bh = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rows
@@ -562,6 +565,8 @@ def _stream_attention_kernel(k_codes_ptr, k_norm_ptr, k_signs_ptr, k_qjl_ptr, v_
     q_at = (pid_bh * rows + offs_r[:, None]) * dim + offs_i[None, :]
     q_ok = r_ok[:, None] & i_ok[None, :]
     q = tl.load(q_ptr + q_at, mask=q_ok, other=0.0).to(tl.float32)
+    k_centre = tl.load(k_centre_ptr + pid_bh * dim + offs_i, mask=i_ok, other=0.0)
+    shift = tl.sum(q * k_centre[None, :], 1) * scaling
     if ROTATE:
         q = tl.dot(q, _square(rot_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride), input_precision="ieee")
     if QJL:
@@ -601,8 +606,9 @@ def _stream_attention_kernel(k_codes_ptr, k_norm_ptr, k_signs_ptr, k_qjl_ptr, v_
     # unrotated here: out = acc @ rotation.T
     out = tl.dot(acc / total[:, None], tl.trans(_square(rot_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride)),
                  input_precision="ieee")
+    out += tl.load(v_centre_ptr + pid_bh * dim + offs_i, mask=i_ok, other=0.0)[None, :]
     tl.store(out_ptr + q_at, out, mask=q_ok)
-    tl.store(lse_ptr + pid_bh * rows + offs_r, top + tl.log(total), mask=r_ok)
+    tl.store(lse_ptr + pid_bh * rows + offs_r, top + tl.log(total) + shift, mask=r_ok)
 
 
 @triton.jit
@@ -632,7 +638,7 @@ def _token_rows(code, capacity: int | None = None):
 _ROTATE_IN_KERNEL_ROWS = 256
 
 
-def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
+def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float, centre: torch.Tensor | None = None,
                     tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped ``query [B, H_kv, R, d]`` over TurboQuant-coded ``keys`` and ``values``
     (`codecs.lloyd_max.TurboCode` of ``[B, H_kv, n]`` vectors, quantizer ``turbo``), with no host
@@ -640,6 +646,8 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     `TurboQuantizer.inner_products` / softmax / `weighted_sum` in one kernel launch (scores from the key
     codes against the rotated queries, QJL sketch term included, softmax online; probabilities times norms
     summed against the value codes' centroids, then unrotated). ``keys`` and ``values`` may be views of the stream's buffer.
+    ``centre [2, B, H_kv, d]``: what each key and value was coded less of (the keys', the values'; None: zero), added
+    back in the same launch.
     """
     tiles = tiles or default_tiles()
 
@@ -656,6 +664,10 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     rotate = batch * heads * rows <= _ROTATE_IN_KERNEL_ROWS
     q = query.contiguous() if rotate else turbo.rotation.rotate(query.float()).contiguous()
     qs = dummy if rotate or not qjl else (q @ sketch.T).contiguous()
+    if centre is None:
+        centre = torch.zeros(2, batch, heads, dim, dtype=torch.float32, device=device)
+    centre = centre.float().contiguous()
+    k_centre = centre[0] if rotate else turbo.rotation.rotate(centre[0]).contiguous()  # in the queries' domain
     sketch_arg = sketch.contiguous() if qjl else dummy
 
     keys, capacity = _token_rows(keys)
@@ -675,19 +687,20 @@ def turbo_attention(turbo, query: torch.Tensor, keys, values, scaling: float,
     with counting.kernel_launch("shard_stream_attention"):
         _stream_attention_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
             keys.codes, keys.norm, k_signs, k_qjl, values.codes, values.norm, v_signs, v_qjl, centroids, q, qs,
-            rotation, sketch_arg, out, lse, float(scaling), qjl_scale, n, capacity, keys.codes.shape[-1],
-            sign_bytes, rows, dim, *rotation.stride(), BITS=turbo.bits, QJL=qjl, ROTATE=rotate, DP=dp,
-            BLOCK_N=tiles.n, BLOCK_R=tiles.r)
+            rotation, sketch_arg, k_centre, centre[1], out, lse, float(scaling), qjl_scale, n, capacity,
+            keys.codes.shape[-1], sign_bytes, rows, dim, *rotation.stride(), BITS=turbo.bits, QJL=qjl,
+            ROTATE=rotate, DP=dp, BLOCK_N=tiles.n, BLOCK_R=tiles.r)
     return out, lse
 
 
 @triton.jit
-def _turbo_encode_kernel(x_ptr, rotation_ptr, bounds_ptr, codes_ptr, norm_ptr, n_rows, n, x_row_stride,
+def _turbo_encode_kernel(x_ptr, centre_ptr, rotation_ptr, bounds_ptr, codes_ptr, norm_ptr, n_rows, n, x_row_stride,
                          x_token_stride, rot_row_stride, rot_col_stride, out_row_stride, at, dim, n_bytes,
                          BITS: tl.constexpr, N_BOUNDS: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_BYTES: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr):
-    # rows m = row * n + token of x; each: norm, unit vector rotated, the index of its interval among the
-    # boundaries (torch.bucketize), packed little-endian (GROUP codes fill GROUP_BYTES bytes exactly)
+    # rows m = row * n + token of x, less its row's centre [n_rows, dim]; each: norm, unit vector rotated, the
+    # index of its interval among the boundaries (torch.bucketize), packed little-endian (GROUP codes fill
+    # GROUP_BYTES bytes exactly)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < n_rows * n
     row = offs_m // n
@@ -697,6 +710,7 @@ def _turbo_encode_kernel(x_ptr, rotation_ptr, bounds_ptr, codes_ptr, norm_ptr, n
     ok = m_ok[:, None] & i_ok[None, :]
     x = tl.load(x_ptr + (row * x_row_stride + token * x_token_stride)[:, None] + offs_i[None, :], mask=ok,
                 other=0.0).to(tl.float32)
+    x = x - tl.load(centre_ptr + row[:, None] * dim + offs_i[None, :], mask=ok, other=0.0)
     norm = tl.sqrt(tl.sum(x * x, 1))
     unit = x / tl.maximum(norm, 1e-12)[:, None]
     rot = _square(rotation_ptr, offs_i, i_ok, rot_row_stride, rot_col_stride)
@@ -716,8 +730,10 @@ def _turbo_encode_kernel(x_ptr, rotation_ptr, bounds_ptr, codes_ptr, norm_ptr, n
     tl.store(norm_ptr + row * out_row_stride + at + token, norm.to(tl.float16), mask=m_ok)
 
 
-def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, at: int) -> None:
-    """`TurboQuantizer.encode` (no QJL) of ``x [..., n, d]`` in one launch, written into tokens
+def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.Tensor, at: int,
+                      centre: torch.Tensor | None = None) -> None:
+    """`TurboQuantizer.encode` (no QJL) of ``x [..., n, d]`` less ``centre [..., d]`` (one vector per leading row;
+    None: zero) in one launch, written into tokens
     ``at .. at+n-1`` of ``codes [..., capacity, bytes]`` and ``norm [..., capacity]`` (same leading dims,
     contiguous): the stream's buffer, nothing allocated. ``x`` may be strided (rows of a ring buffer) as
     long as its leading dims collapse to one row stride."""
@@ -728,12 +744,14 @@ def turbo_encode_into(turbo, x: torch.Tensor, codes: torch.Tensor, norm: torch.T
     flat = x.reshape(rows, n, dim) if x.stride(-1) == 1 else x.contiguous().reshape(rows, n, dim)
     _, bounds, _, _ = turbo._tables(x.device)
     rotation = turbo.rotation.matrix(x.device, torch.float32)
+    centre = (torch.zeros(rows, dim, dtype=torch.float32, device=x.device) if centre is None
+              else centre.float().reshape(rows, dim).contiguous())
     group = 8 // math.gcd(8, turbo.bits)            # codes per whole number of bytes
     dp = max(_pow2(dim), group)
     block_m = 16
     with counting.kernel_launch("shard_stream_encode"):
         _turbo_encode_kernel[(triton.cdiv(rows * n, block_m),)](
-            flat, rotation, bounds, codes, norm, rows, n, flat.stride(0), flat.stride(1), *rotation.stride(),
+            flat, centre, rotation, bounds, codes, norm, rows, n, flat.stride(0), flat.stride(1), *rotation.stride(),
             codes.shape[-2], at, dim,
             codes.shape[-1], BITS=turbo.bits, N_BOUNDS=bounds.numel(), GROUP=group,
             GROUP_BYTES=group * turbo.bits // 8, DP=dp, BLOCK_M=block_m)

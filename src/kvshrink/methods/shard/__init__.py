@@ -23,7 +23,9 @@ stream:
     (``v_fit="kmeans"``). Indices bit-packed.
 * **stream** (tokens that leave the window after decoding started, or prefill leftovers too small
   for a PCA fit): TurboQuant (norm, randomized Hadamard, Lloyd-Max codebook for N(0, 1/d) at
-  ``stream_bits``, optional 1-bit QJL residual), for K and V.
+  ``stream_bits``, optional 1-bit QJL residual), for K and V, each less a per-head centre (the exact
+  window's mean when the stream starts, added back exactly in attention): keys with a large shared part
+  (a key projection's bias, as Qwen2's) would otherwise spend the data-oblivious code on it.
 
 Attention is computed from the compressed store block by block: for each block of at most
 ``block_tokens`` middle tokens the pre-RoPE keys are rebuilt from the coefficients (byte lookup

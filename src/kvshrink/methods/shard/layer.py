@@ -201,7 +201,8 @@ class ShardLayer(CacheLayer):
                 parts.extend(self.middle_partials(block, query, ctx))
         if self.stream.n:
             if into is not None and fused.turbo_supported(self.shared.turbo):
-                into.turbo(self.shared.turbo, *self.stream_arrays())
+                into.turbo(self.shared.turbo, *self.stream_arrays(),
+                           fused.centre_array(self.stream.centre, into.query.shape))
             else:
                 parts.append(self.stream_partial(query, ctx.scaling))
         if self.layer_idx == self.info.num_layers - 1:
@@ -286,6 +287,8 @@ class ShardLayer(CacheLayer):
     def ring_commit(self, ring: ExactRing, new: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Tokens beyond the window leave the ring for the stream (the oldest first); ``new`` (the step's
         key and value when not already in the ring) is stored after them."""
+        if self.stream.centre is None and ring.count + (new is not None) > self.cfg.window:
+            self.centre_stream(*self.ring_window(ring, new))
         if new is not None and self.ring_step_compiled(ring, *new):
             return
         while ring.count + (new is not None) > self.cfg.window and ring.count:
@@ -297,6 +300,24 @@ class ShardLayer(CacheLayer):
         else:  # no window at all: the token goes straight to the stream, rounded as a stored one
             self.stream_append(torch.stack([to_storage(x, ring.dtype) for x in new]), ring.start)
             ring.start += 1
+
+    @staticmethod
+    def ring_window(ring: ExactRing, new: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``[B, H_kv, n, d]`` of the ring's window, then ``new`` (when not in the ring; rounded
+        to the ring's dtype, as the window stores it)."""
+        keys, values = (x.float() for x in ring.window())
+        if new is not None:
+            keys, values = (torch.cat([held, x.to(ring.dtype).float()], 2) for held, x in zip((keys, values), new))
+        return keys, values
+
+    def centre_stream(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The stream's centre (`TurboSegment`), as its first tokens arrive: the mean of the exact window's keys
+        and values ``[B, H_kv, n, d]`` (post-RoPE: the slowly turning channels, where a key projection's bias
+        and outliers sit, keep their value over the tokens that follow; the fast ones average out). Zero for a
+        stream already holding tokens coded without one."""
+        centre = torch.stack([keys.float().mean(2), values.float().mean(2)])
+        self.stream.centre = (torch.zeros_like(centre) if self.stream.n else centre).contiguous()
 
     def ring_step_compiled(self, ring: ExactRing, key: torch.Tensor, value: torch.Tensor) -> bool:
         """A decode step's commit to a full float16 ring in one numba pass (`fused.ring_step`: the oldest token
@@ -312,7 +333,7 @@ class ShardLayer(CacheLayer):
         views = self.numpy_views()
         codes, norm = views.get("stream", buffer, lambda x: fused.stream_words(x.codes, x.norm))
         peak = fused.ring_step(turbo, views.get("ring", ring.kv, fused.ring_words), ring.n_sinks + ring.head, key,
-                               value, codes, norm, self.stream.n)
+                               value, codes, norm, self.stream.n, self.stream.centre)
         if peak is not None:
             check_fp16_peak(peak)
         self.stream.filled(ring.start, 1)
@@ -347,10 +368,10 @@ class ShardLayer(CacheLayer):
             encode_into = fused.turbo_encode_into
         if encode_into is not None:
             buffer = self.stream.room(n, tuple(both.shape[1:-2]), packed_size(self.d, turbo.bits), both.device)
-            encode_into(turbo, both, buffer.codes, buffer.norm, self.stream.n)
+            encode_into(turbo, both, buffer.codes, buffer.norm, self.stream.n, self.stream.centre)
             self.stream.filled(index, n)
             return
-        code = turbo.encode(both.float())
+        code = turbo.encode(both.float() - self.stream.centre.unsqueeze(-2))
         self.stream.append(code.select(0), code.select(1), index, n)
 
     def exact_partial(self, query: torch.Tensor, ctx: StepContext) -> Partial | None:
@@ -580,14 +601,19 @@ class ShardLayer(CacheLayer):
             from kvshrink.kernels.shard_code_attention import turbo_attention
 
             out, lse = turbo_attention(turbo, group_queries(query, self.h_kv), self.stream.keys, self.stream.values,
-                                       scaling)
+                                       scaling, self.stream.centre)
             return Partial.from_grouped(out, lse, query.shape[1])
         qg = group_queries(query.float(), self.h_kv)
         if self.use_fast_kernel(query) and fused.turbo_supported(turbo):
-            out, lse = fused.turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling)
+            out, lse = fused.turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling,
+                                             self.stream.centre)
             return Partial.from_grouped(out, lse, query.shape[1])
         probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
         out = turbo.weighted_sum(probs, self.stream.values)
+        if self.stream.centre is not None:   # the centres added back: q . centre to every score, to the output
+            key_centre, value_centre = self.stream.centre_of(0), self.stream.centre_of(1)
+            lse = lse + (qg @ key_centre.transpose(-1, -2)).squeeze(-1) * scaling
+            out = out + value_centre
         return Partial.from_grouped(out, lse, query.shape[1])
 
     # ---- storing ---------------------------------------------------------------------------------------
@@ -624,7 +650,13 @@ class ShardLayer(CacheLayer):
             if evicted is not None:
                 self.evicted.append(evicted)
         else:
-            self.stream.append(self.shared.turbo.encode(k), self.shared.turbo.encode(v), start, overflow)
+            if self.stream.centre is None:   # the tokens leaving and the window left
+                held = self.window
+                self.centre_stream(k if held.keys is None else torch.cat([k, held.keys.float()], 2),
+                                   v if held.values is None else torch.cat([v, held.values.float()], 2))
+            turbo = self.shared.turbo
+            self.stream.append(turbo.encode(k - self.stream.centre_of(0)), turbo.encode(v - self.stream.centre_of(1)),
+                               start, overflow)
 
     def key_bits_per_component(self, spectra: list[torch.Tensor], bits: float | None = None) -> list[list[int]]:
         """Bits per component of each PCA scope: one DP over the groups of all scopes of the layer
@@ -880,8 +912,9 @@ class ShardLayer(CacheLayer):
             keys.append(k), values.append(v)
             index.append(block.token_index(device))
         if self.stream.n:
-            keys.append(self.shared.turbo.decode(self.stream.keys))
-            values.append(self.shared.turbo.decode(self.stream.values))
+            centre = (0.0, 0.0) if self.stream.centre is None else (self.stream.centre_of(0), self.stream.centre_of(1))
+            keys.append(self.shared.turbo.decode(self.stream.keys) + centre[0])
+            values.append(self.shared.turbo.decode(self.stream.values) + centre[1])
             index.append(self.stream.index(device))
         if len(self.window):
             keys.append(self.window.keys.float()), values.append(self.window.values.float())

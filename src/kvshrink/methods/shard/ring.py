@@ -124,6 +124,11 @@ class ExactRing:
         order = (torch.arange(self.count) + self.head) % max(1, self.slots)
         return (order + self.n_sinks).to(self.keys.device)
 
+    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's keys and values ``[B, H_kv, count, d]``, oldest first (copies)."""
+        rows = self._window_positions()
+        return self.keys.index_select(2, rows), self.values.index_select(2, rows)
+
     def _in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the sinks then the window in token order (copies)."""
         rows = torch.cat([torch.arange(self.n_sinks, device=self.keys.device), self._window_positions()])

@@ -210,7 +210,14 @@ def _stream_growth(held: int) -> int:
 
 @dataclass
 class TurboSegment:
-    """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt).
+    """TurboQuant codes of K and V ``[B, H_kv, n]`` (tokens after the prompt), each coded less its ``centre``.
+
+    The centre (``[2, B, H_kv, d]`` float32: the keys', the values') is the mean of the exact window's tokens when
+    the first token enters (`ShardLayer.centre_stream`). Keys carry a large shared part (a key projection's bias,
+    outlier channels); a data-oblivious code of the whole key spends its levels on that part and its error, a
+    share of the key's norm, swamps the small part that tells tokens apart. Less the centre, the code spends
+    them on what differs; attention adds the centre back exactly (``q . centre`` to every score, so to the
+    partial's lse alone; the value centre to the output). None: zero.
 
     On the GPU path they are views of one ``buffer`` (``[2, B, H_kv, capacity, ...]``, keys then values)
     that the encode kernel writes in place, so a decode step appends without a concatenation."""
@@ -221,6 +228,7 @@ class TurboSegment:
     n: int = 0
     runs: list = None  # (first index, count) of each appended run; python ints, for `dequantized`
     buffer: TurboCode | None = None
+    centre: torch.Tensor | None = None
 
     def add_run(self, start: int, count: int) -> None:
         """Record tokens ``start .. start+count-1`` as appended: one run with the last when they follow it (a
@@ -282,11 +290,13 @@ class TurboSegment:
 
     # ---- save / load (cache/record.py): the codes held, and the buffer's capacity (its free slots are held
     # bytes: a loaded stream holds as many as the saved one) ---------------------------------------------------
-    RECORD = Schema(meta=("n", "runs", "capacity"), parts=("keys", "values"))
+    CENTRE = TensorSpec("centre", "2 * H D", "float32", optional=True)
+    RECORD = Schema(tensors=(CENTRE,), meta=("n", "runs", "capacity"), parts=("keys", "values"))
 
     def to_record(self) -> Record:
         capacity = None if self.buffer is None else self.buffer.codes.shape[-2]
         return Record(meta={"n": self.n, "runs": [list(run) for run in self.runs or []], "capacity": capacity},
+                      tensors={"centre": self.centre},
                       parts={"keys": turbo_code_record(self.keys, "b H n"),
                              "values": turbo_code_record(self.values, "b H n")})
 
@@ -300,7 +310,8 @@ class TurboSegment:
         reader.check((keys is None) == (values is None) == (n == 0), "keys and values are stored for its tokens")
         reader.check(keys is None or keys.norm.shape[-1] == values.norm.shape[-1] == n,
                      f"its codes must hold its {n} tokens")
-        segment = cls(keys=keys, values=values, n=n, runs=[tuple(run) for run in runs] or None)
+        segment = cls(keys=keys, values=values, n=n, runs=[tuple(run) for run in runs] or None,
+                      centre=reader.tensor(cls.CENTRE))
         capacity = reader.meta("capacity")
         if capacity is not None:
             reader.check(isinstance(capacity, int) and capacity >= n and keys is not None and keys.qjl_norm is None,
@@ -310,7 +321,12 @@ class TurboSegment:
         return segment
 
     def tensors(self) -> list[torch.Tensor]:
-        return [] if self.keys is None else self.keys.tensors() + self.values.tensors()
+        centre = [] if self.centre is None else [self.centre]
+        return centre + ([] if self.keys is None else self.keys.tensors() + self.values.tensors())
+
+    def centre_of(self, kind: int) -> torch.Tensor | None:
+        """The keys' (``kind`` 0) or the values' (1) centre ``[B, H_kv, 1, d]``, broadcasting over tokens."""
+        return None if self.centre is None else self.centre[kind].unsqueeze(-2)
 
 
 def stack_scopes(codes: list[PCACode]) -> tuple[torch.Tensor, torch.Tensor]:
