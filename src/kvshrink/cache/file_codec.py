@@ -10,8 +10,8 @@ Huffman codes) of its bytes, the bytes of multi-byte elements first split into p
 bytes, then all second bytes: the "shuffle" of Blosc/HDF5), if that is smaller than its bytes; the
 stored tensor is then the coded bytes (uint8) and `encode_tensor` returns how to undo it.
 
-Why zlib (measured on the default Shard cache of an 8K-token document, docs/results.md "Entropy
-coding of cache files"): it stores the key codes in 2.28 bits per element instead of 2.5 and the
+Why zlib (measured on the default Shard cache of an 8K-token document; docs/persistence.md): it stores
+the key codes in 2.28 bits per element instead of 2.5 and the
 value codes in 1.83 instead of 2, below the order-0 entropy of the unpacked code symbols (one model
 per PCA component or value group: 2.32 and 1.89), so a static symbol coder (Huffman, rANS) would
 store more; LZ77 finds the exactly repeated codes of repeated tokens in the first layers. lzma is

@@ -8,7 +8,7 @@ or values, a slice of tokens at a time:
 2. the slice's pre-RoPE keys as one batched product of the scaled bases with those coefficients
    (torch's BLAS: the multiply-adds run at the machine's vector width, which hand-written loops
    over lookup tables did not reach, nor numba loops over L1-sized tiles of decoded coefficients, 2-2.5x
-   slower than the BLAS product measured in session 30, ``docs/results.md``), channel-major, kept only for
+   slower than the BLAS product: ``docs/tried.md``), channel-major, kept only for
    the slice;
 3. per tile of tokens: RoPE and the scores of four query rows at a time, one RoPE pair after another,
    each a loop over the tile's tokens (contiguous: it vectorises across tokens);
@@ -22,8 +22,8 @@ or values, a slice of tokens at a time:
 numba is optional: `available()` says whether it imported; callers keep their torch reference path
 and use it when it did not. Steps 1, 3 and 4 have parallel variants (token chunks, tiles, heads) that
 run when torch has more than one thread and numba's threading layer is OpenMP or TBB (a loop starts in
-~2 us; its work queue, ~150 us a call, would cost more than it splits: ``docs/results.md``, "Session 17"
-and "Session 20"), on as many numba threads as torch's; the others are serial, on the calling thread.
+~2 us; its work queue, ~150 us a call, would cost more than it splits: ``docs/tried.md``), on as many
+numba threads as torch's; the others are serial, on the calling thread.
 They are compiled once per machine (``cache=True``; `warm_up` compiles them before anything is timed).
 """
 

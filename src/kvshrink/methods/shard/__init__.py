@@ -49,27 +49,27 @@ matters most is the error on the tokens attention actually reads: on the embedde
 of the middle exact lowers the KL divergence of the next-token distributions from ``full``'s at 2K,
 4K and 8K and finds every needle ``full`` finds on the standard grid, where the plain recipe loses two
 of three at 8K (README). Their codes stay in the block and are masked out of its softmax, so the
-held copies replace them. By default 5% are held (with 3-bit keys: docs/results.md, "Session 8"), as 8-bit codes (``salient_dtype="int8"``: one
+held copies replace them. By default 5% are held (with 3-bit keys), as 8-bit codes (``salient_dtype="int8"``: one
 float16 step and zero point per token vector, 68 bytes per 64 channels against 128): on the embedded
 model at 8K, 3% of the middle held so gives the same KL divergence from ``full`` as exact copies
-(docs/results.md, "Session 8").
+(docs/methods/shard.md).
 
-Eviction (beyond the source): a compression target (``ratio``, issue 14's one budget option, 10 by
+Eviction (beyond the source): a compression target (``ratio``, 10 by
 default) and its guard (``evict``). Each layer evicts its least-read middle tokens, in ascending order of
 the largest share of the observation queries' attention any KV head gives them, until its bytes (estimated
 from the options when the block is made: codes and salient rows per token, bases and maps per block) are
 ``ratio`` times fewer than an fp16 cache of its tokens, but never past the point where the evicted tokens
 hold more than ``evict`` (0.1) of some head's observed attention: a layer whose attention is spread keeps
 more, so the target is met where the prompt allows it (9.8x at 8K on the embedded model, 7.5x at 2K;
-docs/results.md, "Session 19"). The evicted tokens are held as they left the exact window until the cache
+docs/methods/shard.md). The evicted tokens are held as they left the exact window until the cache
 knows whether the prompt ended with its question: a decode step right after the prompt drops them
 (the question was in the prompt, and its last queries did not read them), never having coded them (half
-of the compression's time: docs/results.md, "Session 20"); a step of several tokens (a question asked after
+of the compression's time); a step of several tokens (a question asked after
 the document, another chunk), or a fork or save before it, codes them as a block of their own (their own PCA
 fit, the codes the prompt's chunk would have given them) and keeps them for good, so a
 document compressed before its questions keeps every fact its later questions ask for (what a document
-loses when they are dropped anyway: docs/results.md, "Session 8"). ``ratio=0`` leaves ``evict``'s share
-alone to decide (the default of sessions 16-18, at 0.02); ``evict=0`` keeps every token.
+loses when they are dropped anyway: docs/methods/shard.md). ``ratio=0`` leaves ``evict``'s share
+alone to decide; ``evict=0`` keeps every token.
 
 Cold tokens (beyond the source, ``cold``, off by default): the bits go where the observed queries read. Each
 block's least-read middle tokens, in ascending order of the largest share of the observation queries'

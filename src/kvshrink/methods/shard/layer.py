@@ -30,7 +30,7 @@ _MIN_QUERY_WEIGHT = 1e-2
 
 # Default PCA components per scope: one per this many bits of its key budget. Measured on the 8K perplexity
 # text (KL to full): fewer components at more bits each beat the squared-error-optimal allocation over all
-# of them at 1.5, 2 and 2.5 bits per element (docs/results.md, "Session 12"), and the product that rebuilds
+# of them at 1.5, 2 and 2.5 bits per element (docs/methods/shard.md), and the product that rebuilds
 # the keys shrinks with them.
 _BITS_PER_COMPONENT = 4
 

@@ -274,7 +274,7 @@ class TurboSegment:
         self.add_run(start, count)
         self.n += count
         # the views of the first ``n`` tokens are made again when next read (`__getattr__`), not at every decode
-        # step: the CPU fast path reads the buffer itself (~30 us a layer and step in a model step, session 30)
+        # step: the CPU fast path reads the buffer itself (~30 us a layer and step in a model step)
         self.__dict__.pop("keys", None)
         self.__dict__.pop("values", None)
 
