@@ -153,20 +153,29 @@ def _load_cached(path: str, args: argparse.Namespace):
     return model, tokenizer, cache, cache.token_ids[0].tolist(), meta["extra"]["question_template"], seconds
 
 
+def _document_setup(args: argparse.Namespace, document_path: str):
+    """``(options, model, tokenizer, prefix ids, question template)`` for compressing the document at
+    ``document_path`` with ``args.method``: the options are checked before the model loads."""
+    from kvshrink import load_model
+    from kvshrink.cache.registry import get_method, resolve_options
+
+    options = _parse_options(args.option)
+    resolve_options(get_method(args.method), options)  # fail before loading the model
+    document = Path(document_path).read_text()
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    prefix, template = document_prompt(tokenizer, document)
+    return options, model, tokenizer, prefix, template
+
+
 def _cmd_compress(args: argparse.Namespace) -> int:
     import torch
 
-    from kvshrink import load_model, make_cache
+    from kvshrink import make_cache
     from kvshrink.cache.persist import save_cache
-    from kvshrink.cache.registry import get_method, resolve_options
 
     if not args.out and not args.store:
         raise ValueError("kvshrink: give --out FILE, --store URL or both")
-    options = _parse_options(args.option)
-    resolve_options(get_method(args.method), options)  # fail before loading the model
-    document = Path(args.prompt_file).read_text()
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    prefix, template = document_prompt(tokenizer, document)
+    options, model, tokenizer, prefix, template = _document_setup(args, args.prompt_file)
     if args.store:
         cache = _compress_into_store(args, model, prefix, template, options)
     else:
@@ -214,18 +223,11 @@ def _compress_into_store(args, model, prefix, template, options):
 def _from_store(args: argparse.Namespace):
     """``(model, tokenizer, cache, prefix ids, question template, seconds)`` of ``--document`` through
     ``--store``: its stored entry, or a prefill stored for the next worker (once across workers)."""
-    from kvshrink import load_model
-    from kvshrink.cache.registry import get_method, resolve_options
-
     if not args.document:
         raise ValueError("kvshrink: --store needs --document FILE (the document the questions are about)")
     if getattr(args, "cache", None):
         raise ValueError("kvshrink: give the cache FILE or --store, not both")
-    options = _parse_options(args.option)
-    resolve_options(get_method(args.method), options)  # fail before loading the model
-    document = Path(args.document).read_text()
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    prefix, template = document_prompt(tokenizer, document)
+    options, model, tokenizer, prefix, template = _document_setup(args, args.document)
     store = _open_store(args)
     start = time.perf_counter()
     cache, how = store.cache_for(model, prefix, args.method, prefill=_store_prefill(args, False),
