@@ -22,9 +22,9 @@ KNOWN_BACK_EDGES = {
     ("kvshrink.codecs.fused", "kvshrink.codecs.pca"), ("kvshrink.codecs.fused", "kvshrink.codecs.scalar_levels"),
     ("kvshrink.codecs.fused", "kvshrink.codecs.table_decoder"), ("kvshrink.codecs.fused", "kvshrink.codecs.groupwise"),
     ("kvshrink.codecs.fused", "kvshrink.codecs.lloyd_max"),
-    # the cache framework's save/load and the model fingerprint
+    # the cache framework's save/load (a loaded cache is made by the registry), and the model loader
     ("kvshrink.cache.base", "kvshrink.cache.persist"), ("kvshrink.cache.persist", "kvshrink.cache.registry"),
-    ("kvshrink.cache.registry", "kvshrink.cache.persist"), ("kvshrink.cache.registry", "kvshrink.models"),
+    ("kvshrink.cache.registry", "kvshrink.models"),
     # the row-wise split of a batch, made by the framework for methods that need it
     ("kvshrink.cache.base", "kvshrink.cache.rowwise"),
     # the command line registers the eval subcommands

@@ -92,7 +92,7 @@ def test_the_gpu_paths_put_kernel_stores_a_token_and_defers_its_overflow_check(s
     """`kernels.shard_ring.put_token` (one launch) == the torch put: the key and value in their slot in the
     ring's dtype; a value beyond float16's range, or a NaN, is raised by the next deferred check."""
     pytest.importorskip("triton")
-    from kvshrink.cache import store as stores
+    from kvshrink.kernels import deferred as stores
     from kvshrink.kernels.backend import force_gpu_path
     from kvshrink.kernels.counting import OpCounter
     from kvshrink.kernels.shard_ring import put_token

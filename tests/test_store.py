@@ -20,7 +20,8 @@ import torch
 
 import kvshrink
 from kvshrink.cache import persist
-from kvshrink.store import CacheStore
+from kvshrink.store import CacheStore, cache_store
+from kvshrink.store.keys import scope_id
 
 from conftest import tiny_model
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
@@ -142,11 +143,14 @@ def test_wrong_model_method_options_or_format_version_miss(model, store_url, mon
     monkeypatch.setattr(persist, "FORMAT_VERSION", persist.FORMAT_VERSION + 1)
     assert store.get(model, ids, METHOD, **OPTIONS) is None  # another format version: another key
     monkeypatch.undo()
-    # an entry whose file this kvshrink cannot read is refused by the file's own check: a miss with its reason
-    monkeypatch.setattr(persist, "READABLE_VERSIONS", (1,))
+    # an entry whose file this kvshrink cannot read (found under the key of the format it was written in) is
+    # refused by the file's own check: a miss with its reason
+    written = persist.FORMAT_VERSION
+    monkeypatch.setattr(persist, "FORMAT_VERSION", written + 1)
+    monkeypatch.setattr(cache_store, "scope_id", lambda *key: scope_id(*key[:-1], written))
     with caplog.at_level(logging.WARNING, logger="kvshrink.store"):
         assert store.get(model, ids, METHOD, **OPTIONS) is None
-    assert "format version" in caplog.text
+    assert f"written by cache format {written}" in caplog.text
     monkeypatch.undo()
     assert store.get(model, ids, METHOD, **OPTIONS) is None  # the unreadable entry was dropped ...
     assert store.cache_for(model, ids, METHOD, **OPTIONS)[1] == "computed"  # ... and is stored again
