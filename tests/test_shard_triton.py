@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 import kvshrink  # noqa: E402
 from kvshrink.cache.attention import group_queries, merge_partials  # noqa: E402
 from kvshrink.cache.rowwise import row_context  # noqa: E402
-from kvshrink.codecs import fused  # noqa: E402
+from kvshrink.kernels.cpu import block_attention, numba_support  # noqa: E402
 from kvshrink.codecs.bitpack import unpack_bits  # noqa: E402
 from kvshrink.codecs.groupwise import GroupCode, quantize_groups  # noqa: E402
 from kvshrink.codecs.rope import pair_order  # noqa: E402
@@ -163,11 +163,11 @@ def test_a_forced_gpu_path_decodes_the_same_tokens_as_the_cpu_path():
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
 
-# ---- kernel level: `sca.code_attention` against `fused.code_attention` and a plain torch oracle ---------
+# ---- kernel level: `sca.code_attention` against `block_attention.code_attention` and a plain torch oracle ---------
 
 def torch_code_attention(codes, plan, scaled, mean, cos, sin, query, scaling, hidden, v_codes, v_bits,
                          n_groups):
-    """`fused.code_attention` in plain torch: keys decoded from the codes by each component's bits (the
+    """`block_attention.code_attention` in plain torch: keys decoded from the codes by each component's bits (the
     `ComponentPlan`), RoPE in pair order, softmax with held rows masked, probabilities binned per codeword."""
     cplan = sca.component_plan(plan, scaled.shape[1], codes.device)
     batch, heads, rows, d = query.shape
@@ -288,9 +288,9 @@ def test_kernel_equals_torch_oracle_and_numba(opts):
     torch.testing.assert_close(bins, want_bins, atol=2e-6, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     assert bins.sum(-1).div(args[-1]).sub(1).abs().max() < 1e-5   # each group's probabilities sum to one
-    if fused.available():   # the CPU kernel reads the runs' layout and RoPE channel-major
+    if numba_support.available():   # the CPU kernel reads the runs' layout and RoPE channel-major
         cpu_args = [args[0], layout] + args[2:4] + [args[4].transpose(1, 2), args[5].transpose(1, 2)] + args[6:]
-        numba_bins, numba_lse = fused.code_attention(*cpu_args)
+        numba_bins, numba_lse = block_attention.code_attention(*cpu_args)
         torch.testing.assert_close(bins, numba_bins, atol=2e-6, rtol=1e-4)
         torch.testing.assert_close(lse, numba_lse, atol=1e-5, rtol=1e-5)
 

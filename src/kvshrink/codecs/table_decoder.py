@@ -218,7 +218,7 @@ class SlotPlan:
 @dataclass
 class RunLayout:
     """The runs of equal code width of several `PCACode` (one per scope, same rows) as integers: what the
-    fused CPU kernel reads to decode a row's coefficients (`codecs.fused.code_attention`)."""
+    fused CPU kernel reads to decode a row's coefficients (`kernels.cpu.block_attention.code_attention`)."""
 
     runs: object  # int32 numpy [S, max_runs, 4]: each scope's runs (bits, component, components, byte)
     run_counts: object  # int32 numpy [S]

@@ -11,14 +11,15 @@ from kvshrink.cache.attention import Partial, exact_partial, group_queries, merg
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.record import Record, RecordReader, Schema
 from kvshrink.cache.store import ExactStore, check_fp16_peak, exact_storage_dtype, held_bytes, to_storage
-from kvshrink.codecs import fused
 from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
 from kvshrink.codecs.bitpack import pack_bits, packed_size, unpack_bits
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
 from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
 from kvshrink.codecs.table_decoder import RunLayout, SlotPlan, TableDecoder, run_layout, slot_plan
-from kvshrink.codecs.vq import assign_codes, fit_codebook
+from kvshrink.codecs.vq import fit_codebook
 from kvshrink.kernels import backend
+from kvshrink.kernels.cpu import (block_attention, encoders, exact_parts, levels, numba_support, step_parts, stream,
+                                  vq_search)
 from kvshrink.methods.shard.ring import ExactRing
 from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
 from kvshrink.methods.shard.segments import (BasisFactors, BlockArrays, EvictedTokens, MiddleBlock, TurboSegment,
@@ -190,7 +191,7 @@ class ShardLayer(CacheLayer):
         return parts + self.code_partials(query, ctx)
 
     def code_partials(self, query: torch.Tensor, ctx: StepContext,
-                      into: fused.StepParts | None = None) -> list[Partial]:
+                      into: step_parts.StepParts | None = None) -> list[Partial]:
         """The partials of the compressed segments: each middle block's, then the stream's; with ``into`` (the CPU
         fast path's decode step) those the numba kernels compute are written there instead."""
         parts = []
@@ -200,9 +201,9 @@ class ShardLayer(CacheLayer):
             else:
                 parts.extend(self.middle_partials(block, query, ctx))
         if self.stream.n:
-            if into is not None and fused.turbo_supported(self.shared.turbo):
+            if into is not None and stream.turbo_supported(self.shared.turbo):
                 into.turbo(self.shared.turbo, *self.stream_arrays(),
-                           fused.centre_array(self.stream.centre, into.query.shape))
+                           stream.centre_array(self.stream.centre, into.query.shape))
             else:
                 parts.append(self.stream_partial(query, ctx.scaling))
         if self.layer_idx == self.info.num_layers - 1:
@@ -261,10 +262,10 @@ class ShardLayer(CacheLayer):
                          new: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """`ring_attend`'s attention on the CPU fast path: every part (the ring's tokens with the exact salient
         ones and ``new``, the step's token when not in the ring; each block's 8-bit salient codes read in place;
-        the middle blocks; the stream) written by its numba kernel into one `fused.StepParts` and merged once."""
+        the middle blocks; the stream) written by its numba kernel into one `step_parts.StepParts` and merged once."""
         held = [block for block in self.middle if block.salient is not None]
         grouped = group_queries(query.float(), self.h_kv)
-        parts = fused.StepParts(grouped, ctx.scaling, 2 + len(held) + len(self.blocks()))
+        parts = step_parts.StepParts(grouped, ctx.scaling, 2 + len(held) + len(self.blocks()))
         exact = [block.salient.key_values(ring.dtype) for block in held if not block.salient.coded]
         ring.attend_into(parts, exact, new, self.numpy_views())
         for block in held:
@@ -320,20 +321,20 @@ class ShardLayer(CacheLayer):
         self.stream.centre = (torch.zeros_like(centre) if self.stream.n else centre).contiguous()
 
     def ring_step_compiled(self, ring: ExactRing, key: torch.Tensor, value: torch.Tensor) -> bool:
-        """A decode step's commit to a full float16 ring in one numba pass (`fused.ring_step`: the oldest token
+        """A decode step's commit to a full float16 ring in one numba pass (`encoders.ring_step`: the oldest token
         coded into the stream, the new one stored in its slot, checked for float16's range first); False, having
         done nothing, off the CPU fast path or for other dtypes."""
         turbo = self.shared.turbo
         if not (ring.count == ring.slots == self.cfg.window > 0 and self.on_cpu_fast_path(key)
                 and ring.dtype == torch.float16 and key.dtype == value.dtype == torch.float32
-                and fused.turbo_supported(turbo) and ring.kv.is_contiguous()):
+                and stream.turbo_supported(turbo) and ring.kv.is_contiguous()):
             return False
         b, h, _, _ = key.shape
         buffer = self.stream.room(1, (b, h), packed_size(self.d, turbo.bits), key.device)
         views = self.numpy_views()
-        codes, norm = views.get("stream", buffer, lambda x: fused.stream_words(x.codes, x.norm))
-        peak = fused.ring_step(turbo, views.get("ring", ring.kv, fused.ring_words), ring.n_sinks + ring.head, key,
-                               value, codes, norm, self.stream.n, self.stream.centre)
+        codes, norm = views.get("stream", buffer, lambda x: stream.stream_words(x.codes, x.norm))
+        peak = encoders.ring_step(turbo, views.get("ring", ring.kv, exact_parts.ring_words), ring.n_sinks + ring.head,
+                                  key, value, codes, norm, self.stream.n, self.stream.centre)
         if peak is not None:
             check_fp16_peak(peak)
         self.stream.filled(ring.start, 1)
@@ -341,19 +342,19 @@ class ShardLayer(CacheLayer):
         ring.start += 1
         return True
 
-    def numpy_views(self) -> fused.NumpyViews:
+    def numpy_views(self) -> numba_support.NumpyViews:
         """Numpy views of the ring's and the stream's buffers for the CPU fast path's kernels, made again when a
         buffer is replaced (never saved)."""
-        return self.__dict__.setdefault("_views", fused.NumpyViews())
+        return self.__dict__.setdefault("_views", numba_support.NumpyViews())
 
     def stream_arrays(self) -> tuple[tuple, tuple]:
-        """The stream's keys' and values' `fused.turbo_arrays` (its first ``n`` tokens): views of its buffer, kept
+        """The stream's keys' and values' `stream.turbo_arrays` (its first ``n`` tokens): views of its buffer, kept
         while the buffer lives, when it has one."""
         n, buffer = self.stream.n, self.stream.buffer
         if buffer is None:
-            return fused.turbo_arrays(self.stream.keys), fused.turbo_arrays(self.stream.values)
+            return stream.turbo_arrays(self.stream.keys), stream.turbo_arrays(self.stream.values)
         codes, norm = self.numpy_views().get("stream_arrays", buffer.codes,
-                                             lambda _: fused.turbo_arrays(buffer))
+                                             lambda _: stream.turbo_arrays(buffer))
         return (codes[0, ..., :n, :], norm[0, ..., :n]), (codes[1, ..., :n, :], norm[1, ..., :n])
 
     def stream_append(self, both: torch.Tensor, index: int) -> None:
@@ -364,8 +365,8 @@ class ShardLayer(CacheLayer):
         encode_into = None
         if not turbo.qjl and self.use_triton_kernel(both):
             from kvshrink.kernels.shard_code_attention import turbo_encode_into as encode_into
-        elif self.on_cpu_fast_path(both) and fused.turbo_supported(turbo):
-            encode_into = fused.turbo_encode_into
+        elif self.on_cpu_fast_path(both) and stream.turbo_supported(turbo):
+            encode_into = encoders.turbo_encode_into
         if encode_into is not None:
             buffer = self.stream.room(n, tuple(both.shape[1:-2]), packed_size(self.d, turbo.bits), both.device)
             encode_into(turbo, both, buffer.codes, buffer.norm, self.stream.n, self.stream.centre)
@@ -478,23 +479,23 @@ class ShardLayer(CacheLayer):
         return self.shared.fast and x.device.type == "cpu" and not backend.gpu_path(x)
 
     def fused_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
-        """The block's partial from `codecs.fused.code_attention`: its keys rebuilt a slice of tokens at
+        """The block's partial from `kernels.cpu.block_attention.code_attention`: its keys rebuilt a slice of tokens at
         a time (coefficients from the codes, one batched product with the bases, RoPE, scores) and one
         pass over its value codes (softmax probabilities summed per codeword), no whole key or value
         block materialised; same result as the reference path within float32 rounding."""
-        parts = fused.StepParts(group_queries(query.float(), self.h_kv), ctx.scaling, 1)
+        parts = step_parts.StepParts(group_queries(query.float(), self.h_kv), ctx.scaling, 1)
         self.fused_middle_into(block, ctx, parts)
         return Partial.from_grouped(*parts.merged(), query.shape[1])
 
-    def fused_middle_into(self, block: MiddleBlock, ctx: StepContext, parts: fused.StepParts) -> None:
+    def fused_middle_into(self, block: MiddleBlock, ctx: StepContext, parts: step_parts.StepParts) -> None:
         """`fused_middle_partial`, written into ``parts`` (its query grouped, in the model's channel order: RoPE
         pairs as two halves)."""
         factors, arrays = self.key_factors(block), self.block_arrays(block)
         cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
-        rows = None if block.kept is None else fused.set_bit_positions(block.kept, block.span)
+        rows = None if block.kept is None else block_attention.set_bit_positions(block.kept, block.span)
         k_entries, group = block.v_codebook.shape
         scaled = (factors.scaled_bases_t(block.keys) if arrays.bases is None else
-                  fused.scaled_bases(arrays.bases, factors.factor, factors.column))
+                  block_attention.scaled_bases(arrays.bases, factors.factor, factors.column))
         parts.code(arrays.scopes, self.run_layout(block), scaled, factors.mean, cos_t, sin_t, arrays.hidden,
                    arrays.v_codes, int(math.log2(k_entries)), self.d // group, rows, block.v_codebook, block.v_scale,
                    self.shared.rotation.matrix(block.v_codes.device))
@@ -604,8 +605,8 @@ class ShardLayer(CacheLayer):
                                        scaling, self.stream.centre)
             return Partial.from_grouped(out, lse, query.shape[1])
         qg = group_queries(query.float(), self.h_kv)
-        if self.use_fast_kernel(query) and fused.turbo_supported(turbo):
-            out, lse = fused.turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling,
+        if self.use_fast_kernel(query) and stream.turbo_supported(turbo):
+            out, lse = stream.turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling,
                                              self.stream.centre)
             return Partial.from_grouped(out, lse, query.shape[1])
         probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
@@ -847,7 +848,8 @@ class ShardLayer(CacheLayer):
         fits = [fit_pca(scope_rows(s).reshape(b * n, width), rank, seed=self.cfg.seed) for s in range(scopes)]
         widths = self.key_bits_per_component([f.variances for f in fits], bits)
         # RoPE is undone again rather than kept from the fits: one scope's keys are alive at a time
-        return [encode_pca(scope_rows(s), fits[s], widths[s], levels=self.cfg.k_levels, column_scale=scales[s])
+        return [encode_pca(scope_rows(s), fits[s], widths[s], levels=self.cfg.k_levels, column_scale=scales[s],
+                           quantize=levels.quantize_unit)
                 for s in range(scopes)]
 
     def encode_values(self, value: torch.Tensor, rows: torch.Tensor | None = None,
@@ -876,15 +878,15 @@ class ShardLayer(CacheLayer):
         if self.cfg.v_fit == "kmeans":
             groups = rotate(kept_rows(value, rows, 2)).div_(scale.float()[None, :, None, :]).reshape(-1, group)
             codebook = fit_codebook(groups, self.cfg.v_codebook, iters=self.cfg.v_iters, sample=self.cfg.v_sample,
-                                    seed=self.cfg.seed + self.layer_idx, init=codebook)
+                                    seed=self.cfg.seed + self.layer_idx, init=codebook, assign=vq_search.assign_codes)
             del groups
         codebook = codebook.to(torch.float16)
         idx = torch.empty(b, h, n, d // group, dtype=torch.int32, device=value.device)
         for s in range(h):
             for i, x in rotated(s):
                 groups = x.div_(scale[s].float()).reshape(-1, group)
-                idx[:, s, i:i + x.shape[1]] = assign_codes(groups, codebook.float(), out_dtype=torch.int32
-                                                           ).reshape(b, x.shape[1], d // group)
+                idx[:, s, i:i + x.shape[1]] = vq_search.assign_codes(groups, codebook.float(), out_dtype=torch.int32
+                                                                     ).reshape(b, x.shape[1], d // group)
         return pack_bits(idx, int(math.log2(self.cfg.v_codebook))), codebook, scale
 
     def dequantized(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
