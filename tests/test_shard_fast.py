@@ -424,7 +424,7 @@ def test_the_stream_read_in_its_buffer_equals_the_compact_codes():
     ``n``) == `turbo_attention` over the same codes made compact; a norm beyond float16's range (inf) scores as
     the torch ops score it."""
     from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
-    from kvshrink.methods.shard.layer import _softmax_part
+    from kvshrink.methods.shard.reference import _softmax_part
 
     g = torch.Generator().manual_seed(5)
     turbo = TurboQuantizer(16, 4, seed=3)
@@ -479,7 +479,7 @@ def test_the_one_pass_stream_attention_equals_the_torch_ops(bits):
     """`stream.turbo_attention` (scores, softmax and weighted sum straight from TurboQuant codes) == the torch
     ops Shard's stream partial uses otherwise (`inner_products`, softmax, `weighted_sum`)."""
     from kvshrink.codecs.lloyd_max import TurboQuantizer
-    from kvshrink.methods.shard.layer import _softmax_part
+    from kvshrink.methods.shard.reference import _softmax_part
 
     g = torch.Generator().manual_seed(bits)
     turbo = TurboQuantizer(16, bits, seed=3)

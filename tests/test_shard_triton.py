@@ -24,6 +24,7 @@ from kvshrink.kernels import backend  # noqa: E402
 from kvshrink.kernels.backend import force_gpu_path  # noqa: E402
 from kvshrink.kernels.counting import OpCounter  # noqa: E402
 from kvshrink.methods.shard import layer as shard_layer  # noqa: E402
+from kvshrink.methods.shard import reference as shard_reference  # noqa: E402
 from kvshrink.methods.shard.salient import SalientTokens, salient_partials  # noqa: E402
 from kvshrink.methods.shard.segments import stacked_codes  # noqa: E402
 
@@ -145,7 +146,7 @@ def test_triton_path_with_padding_batch_rows_stream_and_several_blocks():
 def test_query_rows_in_slices_when_the_scores_would_be_large(monkeypatch):
     """Prefill-with-past sized queries: the rows go through the kernels in slices (bounded scores)."""
     cache = shard_cache(model_with(), salient=0.05)
-    monkeypatch.setattr(shard_layer, "_SCORE_ELEMENTS", 2 * 100 * 7)   # 7 rows of 2 heads x 100 tokens
+    monkeypatch.setattr(shard_reference, "SCORE_ELEMENTS", 2 * 100 * 7)   # 7 rows of 2 heads x 100 tokens
     assert assert_triton_equals_reference(cache, q_lens=(20,)) == 1
 
 
@@ -383,7 +384,7 @@ def test_stream_kernels_equal_the_torch_stream(dim, bits, qjl, rows, rotate_in_k
     keys, values = (turbo.encode(torch.randn(2, 2, 45, dim, generator=g)) for _ in range(2))
     q = torch.randn(2, 2, rows, dim, generator=g)
     centre = torch.randn(2, 2, 2, dim, generator=g)
-    probs, want_lse = shard_layer._softmax_part(turbo.inner_products(q, keys) * 0.125)
+    probs, want_lse = shard_reference._softmax_part(turbo.inner_products(q, keys) * 0.125)
     want = turbo.weighted_sum(probs, values)
     for tiles in (None, sca.GPU_TILES):
         out, lse = sca.turbo_attention(turbo, q, keys, values, 0.125, tiles=tiles)
@@ -680,7 +681,7 @@ def test_triton_equals_reference_on_cuda_in_bf16(opts):
             torch.testing.assert_close(part.out, want.out, atol=1e-4, rtol=1e-3)
             torch.testing.assert_close(part.lse, want.lse, atol=1e-4, rtol=1e-4)
         turbo, qg = layer.shared.turbo, group_queries(q.float(), layer.h_kv)
-        probs, lse = shard_layer._softmax_part(turbo.inner_products(qg, layer.stream.keys) * ctx.scaling)
+        probs, lse = shard_reference._softmax_part(turbo.inner_products(qg, layer.stream.keys) * ctx.scaling)
         out = turbo.weighted_sum(probs, layer.stream.values)
         torch.testing.assert_close(stream.out, out.reshape(stream.out.shape), atol=1e-4, rtol=1e-3)
         torch.testing.assert_close(stream.lse, lse.reshape(stream.lse.shape), atol=1e-4, rtol=1e-4)
