@@ -10,7 +10,7 @@ from kvshrink.kernels.cpu import (block_attention, encoders, exact_parts, half_w
                                   step_parts, stream)
 from kvshrink.kernels.cpu.levels import byte_levels
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
-from kvshrink.codecs.table_decoder import run_layout
+from kvshrink.kernels.cpu.block_attention import run_layout
 
 from test_shard import prefill, tiny_llama
 

@@ -25,9 +25,12 @@ on the calling thread.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from kvshrink.codecs.pca import PCACode
 from kvshrink.kernels.cpu import numba_support
 from kvshrink.kernels.cpu.levels import byte_levels
 from kvshrink.kernels.cpu.numba_support import _FASTMATH, _numpy, _use_threads, scratch
@@ -328,6 +331,33 @@ if numba_support.available():
             _head_job(job, scores, v_codes, v_bits, n_groups, codebook_t, v_scale, rotation, bins, out)
 
 
+@dataclass
+class RunLayout:
+    """The runs of equal code width of several `PCACode` (one per scope, same rows) as integers: what
+    `code_attention` reads to decode a row's coefficients."""
+
+    runs: object  # int32 numpy [S, max_runs, 4]: each scope's runs (bits, component, components, byte)
+    run_counts: object  # int32 numpy [S]
+    level_kind: str  # the codes' levels (`scalar_levels.COEFF_LEVELS`)
+    widths: tuple  # the code widths the runs use, ascending
+
+    def nbytes(self) -> int:
+        return self.runs.nbytes + self.run_counts.nbytes
+
+
+def run_layout(codes: list[PCACode]) -> RunLayout:
+    """The `RunLayout` of ``codes``, which share their level kind."""
+    kinds = {code.levels for code in codes}
+    if len(kinds) != 1:
+        raise ValueError(f"codes of one block share their levels, got {sorted(kinds)}")
+    runs = np.zeros((len(codes), max(1, max(len(c.runs) for c in codes)), 4), np.int32)
+    for i, code in enumerate(codes):
+        for k, (bits, a, b, byte_a, _) in enumerate(code.runs):
+            runs[i, k] = (bits, a, b - a, byte_a)
+    return RunLayout(runs, np.array([len(c.runs) for c in codes], np.int32), kinds.pop(),
+                     tuple(sorted({run[0] for code in codes for run in code.runs})))
+
+
 def _half_split(head_dim: int) -> torch.Tensor:
     """Channel order taking pair order (``re0, im0, re1, im1, ...``) to halves (``re0, re1, ..., im0, im1, ...``)."""
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
@@ -342,7 +372,7 @@ def code_attention(codes: torch.Tensor, layout, scaled: torch.Tensor, mean: torc
 
     ``codes [B, S, n, bytes]`` uint8 (or the ``S`` scopes' ``[B, n, bytes]`` apart, as the block holds them):
     the packed key codes of the ``S`` PCA scopes, laid out as ``layout``
-    (a `codecs.table_decoder.RunLayout`) says; a token's pre-RoPE key is ``mean[s] + levels @ scaled[s]``
+    (a `RunLayout`) says; a token's pre-RoPE key is ``mean[s] + levels @ scaled[s]``
     (``scaled [S, r, W]`` the scaled bases, ``mean [S, W]``, float32, columns in pair order,
     ``W = H_kv * d / S``; with ``halves=True`` in the query's order too); ``cos_t, sin_t [B, d/2, N]``: the
     RoPE of each pair at the positions of the block's span, token ``i`` at position ``rows[i]`` (int, ``[n]``;
@@ -373,6 +403,7 @@ def _row_quads(query: np.ndarray, scaling: float) -> np.ndarray:
     q4 = np.zeros((batch, heads, -(-n_rows // 4) * 4, d), np.float32)
     q4[:, :, :n_rows] = query * np.float32(scaling)
     return q4.reshape(batch, heads, -1, 4, d)
+
 
 _NO_HIDDEN = np.zeros((1, 1, 0), np.int32)
 _NO_BINS = np.zeros((0, 0, 0, 0), np.float32)

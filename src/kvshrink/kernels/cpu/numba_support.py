@@ -27,6 +27,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     numba = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
+
 # No fastmath "nnan"/"ninf": masked scores are -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -110,6 +111,7 @@ def each_kernel_variant():
             yield forced
     finally:
         _threads_forced = before
+
 
 _VIEWS_KEPT = 256    # scratch views kept by (name, shape): a model's layers ask for a few shapes each step
 

@@ -9,9 +9,8 @@ import torch
 from kvshrink.codecs.groupwise import quantize_groups
 from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
 from kvshrink.codecs.pca import PCACode
-from kvshrink.codecs.table_decoder import run_layout
 from kvshrink.kernels.cpu import numba_support
-from kvshrink.kernels.cpu.block_attention import code_attention, scaled_bases
+from kvshrink.kernels.cpu.block_attention import code_attention, run_layout, scaled_bases
 from kvshrink.kernels.cpu.encoders import ring_step, turbo_encode_into
 from kvshrink.kernels.cpu.exact_parts import int8_arrays, ring_words
 from kvshrink.kernels.cpu.lrqk_factor import decode_step, resident_decode_step

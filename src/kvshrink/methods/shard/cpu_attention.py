@@ -12,9 +12,9 @@ from kvshrink.cache.attention import Partial, group_queries, ungroup
 from kvshrink.cache.base import StepContext
 from kvshrink.cache.store import check_fp16_peak
 from kvshrink.codecs.bitpack import packed_size
-from kvshrink.codecs.table_decoder import RunLayout, run_layout
 from kvshrink.kernels import backend
 from kvshrink.kernels.cpu import block_attention, encoders, exact_parts, numba_support, step_parts, stream
+from kvshrink.kernels.cpu.block_attention import RunLayout, run_layout
 from kvshrink.methods.shard.ring import ExactRing
 from kvshrink.methods.shard.segments import BasisFactors, BlockArrays, MiddleBlock
 

@@ -25,7 +25,7 @@ class BlockDerived:
     """What the decode paths derive from a block's fields and keep on it: each part built on first use,
     never saved (a copied or loaded block starts with an empty one), counted in the layer's `breakdown`."""
 
-    runs: Any = None          # `codecs.table_decoder.RunLayout`: the fused CPU kernel's run layout
+    runs: Any = None          # `kernels.cpu.block_attention.RunLayout`: the CPU kernel's run layout
     key_factors: Any = None   # the fused CPU kernel's small per-scope float32 factors (see `BasisFactors`)
     table_bound: float | None = None  # the reference decoder's table bound (a float of the codes alone)
     rows: torch.Tensor | None = None  # `MiddleBlock.rows` on the block's device (found with a sync, once)
