@@ -341,8 +341,8 @@ def test_vq_exact_on_clustered_data_and_chunked_assignment():
     centres = torch.randn(8, 2, generator=g) * 10
     pts = centres[torch.randint(0, 8, (5000,), generator=g)]
     cb = fit_codebook(pts, 8, iters=10, seed=0)
-    from kvshrink.codecs import assign_codes
-    from kvshrink.codecs.vq import assign_codes_torch
+    from kvshrink.codecs.vq import assign_codes as assign_codes_torch
+    from kvshrink.kernels.cpu.vq_search import assign_codes
     idx_chunked = assign_codes_torch(pts, cb, chunk=333)
     torch.testing.assert_close(cb[idx_chunked], pts, atol=1e-3, rtol=1e-4)
     assert torch.equal(idx_chunked, assign_codes(pts, cb))       # the numba pass, when numba is installed
@@ -351,7 +351,9 @@ def test_vq_exact_on_clustered_data_and_chunked_assignment():
 
 
 def test_the_one_pass_codeword_search_equals_the_torch_ops():
-    from kvshrink.codecs.vq import assign_codes, assign_codes_torch, gaussian_codebook
+    from kvshrink.codecs.vq import assign_codes as assign_codes_torch
+    from kvshrink.codecs.vq import gaussian_codebook
+    from kvshrink.kernels.cpu.vq_search import assign_codes
 
     x = torch.randn(20000, 4, generator=torch.Generator().manual_seed(2))
     cb = gaussian_codebook(4, 256, seed=0)
@@ -368,18 +370,20 @@ def test_the_one_pass_codeword_search_equals_the_torch_ops():
 
 
 
-@pytest.mark.skipif(not __import__("kvshrink.codecs.fused", fromlist=["x"]).available(), reason="numba not installed")
+@pytest.mark.skipif(not __import__("kvshrink.kernels.cpu.numba_support", fromlist=["x"]).available(),
+                    reason="numba not installed")
 def test_the_indexed_codeword_search_picks_what_the_full_search_picks(monkeypatch):
-    """`fused.index_codebook`'s grid: every row gets the full search's codeword, inside the grid (few
+    """`vq_search.index_codebook`'s grid: every row gets the full search's codeword, inside the grid (few
     candidates), outside it, on cell edges, between two codewords, at a codeword, with NaN; and a
     codebook not indexed (another one, or after its index is dropped) is searched in full."""
-    from kvshrink.codecs import fused
-    from kvshrink.codecs.vq import assign_codes_torch, gaussian_codebook
+    from kvshrink.codecs.vq import assign_codes as assign_codes_torch
+    from kvshrink.codecs.vq import gaussian_codebook
+    from kvshrink.kernels.cpu import vq_search
 
-    monkeypatch.setattr(fused, "_CELLS", {})
+    monkeypatch.setattr(vq_search, "_CELLS", {})
     cb = gaussian_codebook(4, 256, seed=0).to(torch.float16).float()
     g = torch.Generator().manual_seed(5)
-    edges = torch.arange(-3.0, 3.01, fused._CELL_STEP)
+    edges = torch.arange(-3.0, 3.01, vq_search._CELL_STEP)
     rows = torch.cat([
         torch.randn(50000, 4, generator=g),                                   # the scaled groups' spread
         torch.randn(5000, 4, generator=g) * 3,                                # many outside [-3, 3)
@@ -387,31 +391,33 @@ def test_the_indexed_codeword_search_picks_what_the_full_search_picks(monkeypatc
         (cb[:128] + cb[128:]) / 2, cb,                                        # midway; at a codeword
         torch.tensor([[float("nan"), 0.0, 0.0, 0.0], [0.0, float("inf"), 0.0, 0.0]]),
     ])
-    full = fused.nearest_codewords(rows, cb)
-    fused.index_codebook(cb)
-    assert len(fused._CELLS) == 1
-    offsets, candidates = next(iter(fused._CELLS.values()))
+    full = vq_search.nearest_codewords(rows, cb)
+    vq_search.index_codebook(cb)
+    assert len(vq_search._CELLS) == 1
+    offsets, candidates = next(iter(vq_search._CELLS.values()))
     assert offsets[-1] < 8 * (offsets.size - 1)               # a few of 256 per cell
-    indexed = fused.nearest_codewords(rows, cb)
+    indexed = vq_search.nearest_codewords(rows, cb)
     assert torch.equal(indexed, full)
     # and the torch ops' codeword (away from near-ties, where the two roundings may differ)
     assert torch.equal(indexed[:55000].long(), assign_codes_torch(rows[:55000], cb))
     # a wrong index would show: an empty candidate list gives code 255 where the full search does not
     offsets[:] = 0
-    assert not torch.equal(fused.nearest_codewords(rows[:1000], cb), full[:1000])
+    assert not torch.equal(vq_search.nearest_codewords(rows[:1000], cb), full[:1000])
     other = gaussian_codebook(4, 256, seed=3)
-    assert torch.equal(fused.nearest_codewords(rows[:1000], other), assign_codes_torch(rows[:1000], other).int())
+    assert torch.equal(vq_search.nearest_codewords(rows[:1000], other), assign_codes_torch(rows[:1000], other).int())
 
 
 
-@pytest.mark.skipif(not __import__("kvshrink.codecs.fused", fromlist=["x"]).available(), reason="numba not installed")
+@pytest.mark.skipif(not __import__("kvshrink.kernels.cpu.numba_support", fromlist=["x"]).available(),
+                    reason="numba not installed")
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
 def test_the_one_pass_level_codes_equal_the_torch_ops(bits, monkeypatch):
-    """`quantize_unit` on CPU (`fused.level_codes`, one pass) gives the torch ops' codes: values on the bounds,
+    """`quantize_unit` on CPU (`levels.level_codes`, one pass) gives the torch ops' codes: values on the bounds,
     beyond the outer levels, +-inf and NaN (0 for the comparisons up to 4 bits, the last code as bucketize
     gives it above)."""
-    from kvshrink.codecs import fused
-    from kvshrink.codecs.scalar_levels import quantize_unit, unit_levels
+    from kvshrink.codecs.scalar_levels import unit_levels
+    from kvshrink.kernels.cpu import numba_support
+    from kvshrink.kernels.cpu.levels import quantize_unit
 
     levels = unit_levels(bits, "lloyd")
     bounds = (levels[1:] + levels[:-1]) / 2
@@ -419,7 +425,7 @@ def test_the_one_pass_level_codes_equal_the_torch_ops(bits, monkeypatch):
     z = torch.cat([torch.randn(3000, generator=g) * 1.5, bounds, bounds.nextafter(torch.tensor(-9.0)),
                    levels * 3, torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0])]).reshape(1, -1)
     fast = quantize_unit(z, bits, "lloyd")
-    monkeypatch.setattr(fused, "available", lambda: False)
+    monkeypatch.setattr(numba_support, "available", lambda: False)
     torch_ops = quantize_unit(z, bits, "lloyd")
     assert fast.dtype == torch.uint8 and fast.shape == z.shape
     assert torch.equal(fast.long(), torch_ops.long())

@@ -10,7 +10,7 @@ from conftest import greedy, left_pad, prompts, tiny_model
 
 import kvshrink
 from kvshrink.cache.rowwise import one_row_layers
-from kvshrink.codecs import fused, lowrank_fused
+from kvshrink.kernels.cpu import lrqk_factor, lrqk_proxy, numba_support
 from kvshrink.codecs.lowrank import decode_factor_vectors, line_search_basis_step
 from kvshrink.methods.lrqk.tiers import SlotTier, SlowTier
 
@@ -55,7 +55,7 @@ def test_fast_decode_equals_reference(models, family, options):
         assert torch.equal(a.slots.token.sort(1).values, b.slots.token.sort(1).values)
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("compiled", ["compiled", "small-tiles", "per-phase"])
 @pytest.mark.parametrize("lengths", [[90, 70, 81], [40]], ids=["padded-batch", "one-row"])
 def test_default_layout_decodes_in_one_compiled_call_per_layer(models, monkeypatch, compiled, lengths):
@@ -99,7 +99,7 @@ def test_default_layout_decodes_in_one_compiled_call_per_layer(models, monkeypat
         assert torch.equal(a.win_k, b.win_k)
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 def test_fused_factor_step_equals_torch():
     g = torch.Generator().manual_seed(0)
     n, heads, d, r, s = 3, 3, 16, 4, 20
@@ -113,7 +113,7 @@ def test_fused_factor_step_equals_torch():
     new_b_k = line_search_basis_step(b_k, k_hat.unsqueeze(1), k.unsqueeze(1))
     aw = a * weight.unsqueeze(-1)
     given = b_q.clone(), b_k.clone()
-    fq, fk, fused_bq, fused_bk = lowrank_fused.decode_step(q, k, b_q, b_k, aw.transpose(-1, -2) @ aw,
+    fq, fk, fused_bq, fused_bk = lrqk_factor.decode_step(q, k, b_q, b_k, aw.transpose(-1, -2) @ aw,
                                                            (q @ keys.transpose(-1, -2)) @ aw, 1.0, True)
     assert torch.equal(b_q, given[0]) and torch.equal(b_k, given[1])      # the inputs are not changed
     torch.testing.assert_close(fq, q_hat, rtol=1e-9, atol=1e-9)
@@ -122,7 +122,7 @@ def test_fused_factor_step_equals_torch():
     torch.testing.assert_close(fused_bk, new_b_k, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("copies", [1, 2])
 @pytest.mark.parametrize("window", [0, 5])
 def test_resident_sums_made_in_the_kernel_equal_the_gathered_ones(copies, window):
@@ -148,11 +148,11 @@ def test_resident_sums_made_in_the_kernel_equal_the_gathered_ones(copies, window
         keys = torch.cat([slot_keys[h][take], win_keys[h]]).float()
         lhs.append(a.T @ a)
         rhs.append((q[i] @ keys.T) @ a)
-    want = lowrank_fused.decode_step(q, k, b_q, b_k, torch.stack(lhs), torch.stack(rhs), 1.0, True)
+    want = lrqk_factor.decode_step(q, k, b_q, b_k, torch.stack(lhs), torch.stack(rhs), 1.0, True)
     given = factors.clone(), slot_keys.clone()
     runs = []
-    for _ in fused.each_kernel_variant():   # the serial kernel, then the heads shared among threads
-        runs.append(lowrank_fused.resident_decode_step(q, k, b_q.clone(), b_k.clone(), factors, token, chosen,
+    for _ in numba_support.each_kernel_variant():   # the serial kernel, then the heads shared among threads
+        runs.append(lrqk_factor.resident_decode_step(q, k, b_q.clone(), b_k.clone(), factors, token, chosen,
                                                        slot_keys, win_keys, tokens - window, copies, 1.0, True))
     assert torch.equal(factors, given[0]) and torch.equal(slot_keys, given[1])
     for a, b in zip(runs[0], want):
@@ -161,7 +161,7 @@ def test_resident_sums_made_in_the_kernel_equal_the_gathered_ones(copies, window
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 def test_eviction_order_is_a_stable_sort():
     """The fill's eviction order (one pass when the finite priorities are equal, as under ``set``) is
     ``argsort(kind="mergesort")`` for equal, mixed and infinite priorities."""
@@ -238,7 +238,7 @@ def test_planned_fill_checks_the_float16_range_as_torch(planted):
         torch.testing.assert_close(outcomes[0][2], outcomes[1][2], equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 def test_compiled_float16_conversion_rounds_as_torch():
     """The fill's float32 -> float16 conversion (``_copy_rows``, on the words) gives torch's bits for every
     float16 value, the float32 values just beside each one and the midpoints between neighbours (ties to
@@ -274,7 +274,7 @@ def test_compiled_float16_conversion_rounds_as_torch():
     assert torch.isnan(torch.from_numpy(out.view(np.int16)).view(torch.float16)).all()
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("policy", ["set", "lru", "attention"])
 def test_planned_slot_fill_places_rows_as_torch(policy):
     """The compiled fill planner puts every row in the same slot as the torch bookkeeping, for every
@@ -293,10 +293,7 @@ def test_planned_slot_fill_places_rows_as_torch(policy):
 
 def test_fast_path_without_numba_equals_reference(models, monkeypatch):
     """Without kvshrink[fast] the fast path runs its kernels' work in torch: still the same answers."""
-    from kvshrink.codecs import fused
-
-    monkeypatch.setattr(fused, "available", lambda: False)
-    assert not lowrank_fused.available()
+    monkeypatch.setattr(numba_support, "available", lambda: False)
     model = models["llama"]
     ids, mask = left_pad(prompts([60, 47]))
     caches = {k: kvshrink.make_cache("lrqk", model, kernel=k, top_k=8, window=4) for k in ("reference", "fast")}
@@ -331,10 +328,10 @@ def test_unpadded_row_attends_without_a_mask_once_the_slots_hold_only_the_select
         assert caches["fast"].stats()[key] == caches["reference"].stats()[key], key
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("padded", [False, True])
 def test_proxy_selection_in_one_pass_equals_softmax_sum_and_topk(padded):
-    """`lowrank_fused.proxy_top_k` (the CPU fast path's selection) against the torch ops it replaces: scaled
+    """`lrqk_proxy.proxy_top_k` (the CPU fast path's selection) against the torch ops it replaces: scaled
     logits, padding hidden, softmax per query row, mass summed per KV row, `top_k_in_token_order`. The same
     tokens in the same (token) order, ties included (the latest taken: never padding before a real token), and
     masses within float32 rounding, with both kernel variants; a KV row whose candidates are all padding gets no
@@ -351,8 +348,8 @@ def test_proxy_selection_in_one_pass_equals_softmax_sum_and_topk(padded):
     mass = torch.softmax(hidden * scaling, dim=-1).nan_to_num(0.0).view(kv_rows, per_row, n).sum(1)
     want_mass, want = top_k_in_token_order(mass, k, "lru")
     runs = []
-    for _ in fused.each_kernel_variant():
-        runs.append(lowrank_fused.proxy_top_k(logits.clone(), scaling, first, kv_rows, k))
+    for _ in numba_support.each_kernel_variant():
+        runs.append(lrqk_proxy.proxy_top_k(logits.clone(), scaling, first, kv_rows, k))
     for selected, top_mass, all_mass in runs:
         torch.testing.assert_close(all_mass, mass, rtol=1e-5, atol=1e-7)
         assert torch.equal(selected, want)
@@ -366,7 +363,7 @@ def test_proxy_selection_in_one_pass_equals_softmax_sum_and_topk(padded):
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 def test_proxy_selection_ranks_ties_by_token_and_nan_first():
     """Ties with the k-th value are taken latest first, by both paths; a NaN logit gives its candidate no mass (the
     softmax's exp is 0 for it; torch's softmax would make the whole row NaN); k equal to the candidates takes them
@@ -374,22 +371,22 @@ def test_proxy_selection_ranks_ties_by_token_and_nan_first():
     from kvshrink.methods.lrqk.layer import top_k_in_token_order
 
     logits = torch.zeros(1, 6)     # equal logits: every candidate has the same mass
-    selected, _, _ = lowrank_fused.proxy_top_k(logits.clone(), 1.0, None, 1, 3)
+    selected, _, _ = lrqk_proxy.proxy_top_k(logits.clone(), 1.0, None, 1, 3)
     assert selected.tolist() == [[3, 4, 5]]
     assert top_k_in_token_order(torch.ones(1, 6), 3, "lru")[1].tolist() == [[3, 4, 5]]
     mass = torch.tensor([[0.5, 0.0, 0.2, 0.0, 0.0, 0.2, 0.1]])   # the k-th value (0.0) tied three times
     for policy in ("lru", "set"):
         assert top_k_in_token_order(mass, 5, policy)[1].tolist() == [[0, 2, 4, 5, 6]]
-    selected, _, _ = lowrank_fused.proxy_top_k(torch.tensor([[0.0, -200, 0.0, -200, -200, -1.0, -2.0]]), 1.0, None, 1, 5)
+    selected, _, _ = lrqk_proxy.proxy_top_k(torch.tensor([[0.0, -200, 0.0, -200, -200, -1.0, -2.0]]), 1.0, None, 1, 5)
     assert selected.tolist() == [[0, 2, 4, 5, 6]]     # exp(-200) is 0 in float32: tied at zero
     logits = torch.tensor([[0.0, 1.0, float("nan"), 2.0, 0.5]])
-    selected, _, mass = lowrank_fused.proxy_top_k(logits.clone(), 1.0, None, 1, 2)
+    selected, _, mass = lrqk_proxy.proxy_top_k(logits.clone(), 1.0, None, 1, 2)
     assert float(mass[0, 2]) == 0 and selected.tolist() == [[1, 3]]
-    selected, _, _ = lowrank_fused.proxy_top_k(torch.randn(2, 4), 1.0, None, 1, 4)
+    selected, _, _ = lrqk_proxy.proxy_top_k(torch.randn(2, 4), 1.0, None, 1, 4)
     assert selected.tolist() == [[0, 1, 2, 3]]
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("planted", [None, 65504.0, 65510.0, -7e4, float("inf"), float("nan"), "factor"])
 def test_a_decode_token_enters_the_float16_window_as_torch_stores_it(planted):
     """`shift_in_narrowed` (the CPU fast path's commit) against the torch path's: the window one token down with
@@ -452,7 +449,7 @@ def test_a_decode_key_beyond_float16_is_refused_by_the_window(kernel, factor_dty
     assert torch.equal(layer.win_k, before[2]) and torch.equal(layer.a_k, before[3])
 
 
-@pytest.mark.skipif(not lowrank_fused.available(), reason="numba not installed (kvshrink[fast])")
+@pytest.mark.skipif(not numba_support.available(), reason="numba not installed (kvshrink[fast])")
 @pytest.mark.parametrize("beyond", ["token", "fill"])
 def test_compiled_step_reports_an_overflow_a_nan_would_hide(beyond):
     """`cpu_step.decode_step` with one KV row filled from NaN rows (let through, as `to_storage` lets them) and a

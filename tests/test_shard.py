@@ -631,11 +631,11 @@ def test_cold_tokens_are_the_least_read_ones_coded_cheaper_and_survive_a_save(tm
     """``cold``: each block's least-read tokens, holding at most ``cold`` of every head's observed attention,
     go to a block of their own coded at ``cold_key_bits`` keys and ``cold_v_group``-channel value groups; the
     salient rows stay as many, in the hot block; attention over the two blocks is attention over what they hold."""
-    from kvshrink.methods.shard import layer as shard_layer
+    from kvshrink.methods.shard import encoding
 
     seen = []
-    original = shard_layer.observed_importance
-    monkeypatch.setattr(shard_layer, "observed_importance", lambda *a: seen.append(original(*a)) or seen[-1])
+    original = encoding.observed_importance
+    monkeypatch.setattr(encoding, "observed_importance", lambda *a: seen.append(original(*a)) or seen[-1])
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     opts = dict(sinks=4, window=16, key_bits=3.0, salient=0.05, evict=0.0, min_block=8)

@@ -6,18 +6,21 @@ import torch
 import kvshrink
 from kvshrink.cache.attention import merge_partials
 from kvshrink.cache.rowwise import row_context
-from kvshrink.codecs import fused
+from kvshrink.kernels.cpu import (block_attention, encoders, exact_parts, half_words, numba_support, softmax,
+                                  step_parts, stream)
+from kvshrink.kernels.cpu.levels import byte_levels
 from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
-from kvshrink.codecs.table_decoder import run_layout
+from kvshrink.kernels.cpu.block_attention import run_layout
 
 from test_shard import prefill, tiny_llama
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason=f"numba missing: {fused.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not numba_support.available(),
+                                reason=f"numba missing: {numba_support.unavailable_reason()}")
 
 
 def one_part(query, fill):
-    """``(out, lse)`` of the one part ``fill(parts)`` writes into a `fused.StepParts` of ``query`` (scaling 0.25)."""
-    parts = fused.StepParts(query, 0.25, 1)
+    """``(out, lse)`` of the one part ``fill(parts)`` writes into a `step_parts.StepParts` of ``query`` (scaling 0.25)."""
+    parts = step_parts.StepParts(query, 0.25, 1)
     fill(parts)
     return parts.merged()
 
@@ -135,10 +138,10 @@ def test_the_coefficient_decoder_reads_every_run_layout():
             codes = [encode_pca(x, fit, b, levels=levels) for b in bits_sets]
             plan = run_layout(codes)
             rank = max(c.rank for c in codes)
-            lut = fused.byte_levels(levels, (2, 4, 6, 8))
+            lut = byte_levels(levels, (2, 4, 6, 8))
             scaled, mean = scaled_bases(codes)
-            for decode in (fused._decode_scopes, fused._decode_scopes_parallel):     # every scope and row at once
-                coef = torch.full((len(codes), 2, 45, rank + fused._SPARE + rank % 2), float("nan"))
+            for decode in (block_attention._decode_scopes, block_attention._decode_scopes_parallel):     # every scope and row at once
+                coef = torch.full((len(codes), 2, 45, rank + block_attention._SPARE + rank % 2), float("nan"))
                 out = coef.numpy()
                 decode(tuple(code.codes.numpy() for code in codes), plan.runs, plan.run_counts, lut,
                        lut.view(np.int64), 5, out, out.view(np.int64))
@@ -161,17 +164,24 @@ def test_kernel_option_is_validated():
 
 
 def _numba_kernels() -> list[str]:
-    """The public functions of `fused` that run numba code (its checks and containers excepted)."""
+    """The public functions of the CPU kernel modules that run numba code (their checks, the dispatchers that take
+    the torch ops without numba, and containers excepted), as ``(module, name)``."""
+    import importlib
+    import pkgutil
     import types
 
-    plain = {"available", "unavailable_reason", "turbo_supported"}
-    return [name for name, obj in vars(fused).items()
+    import kvshrink.kernels.cpu
+
+    plain = {"available", "unavailable_reason", "turbo_supported", "assign_codes", "quantize_unit"}
+    modules = [importlib.import_module(f"kvshrink.kernels.cpu.{m.name}")
+               for m in pkgutil.iter_modules(kvshrink.kernels.cpu.__path__)]
+    return [(module, name) for module in modules for name, obj in vars(module).items()
             if isinstance(obj, types.FunctionType) and not name.startswith("_") and name not in plain
-            and obj.__module__ == fused.__name__]
+            and obj.__module__ == module.__name__]
 
 
 def test_without_numba_a_default_cache_decodes_with_the_torch_ops_as_the_numba_path_does(monkeypatch):
-    """Without numba (``fused.available()`` false) a default Shard cache prefills and decodes (middle blocks,
+    """Without numba (``numba_support.available()`` false) a default Shard cache prefills and decodes (middle blocks,
     ring, stream) with the torch ops alone: every numba entry point is made to raise, and the greedy tokens
     and logits are those of the numba path up to float32 summation order."""
     model = tiny_llama()
@@ -190,11 +200,11 @@ def test_without_numba_a_default_cache_decodes_with_the_torch_ops_as_the_numba_p
         return torch.cat(logits)
 
     want = run(kvshrink.make_cache("shard", model, **options))
-    monkeypatch.setattr(fused, "numba", None)
-    for name in _numba_kernels():
-        def refuse(*args, _name=name, **kwargs):
-            raise AssertionError(f"fused.{_name} ran without numba")
-        monkeypatch.setattr(fused, name, refuse)
+    monkeypatch.setattr(numba_support, "numba", None)
+    for module, name in _numba_kernels():
+        def refuse(*args, _name=f"{module.__name__}.{name}", **kwargs):
+            raise AssertionError(f"{_name} ran without numba")
+        monkeypatch.setattr(module, name, refuse)
     cache = kvshrink.make_cache("shard", model, **options)
     assert not cache.layers[0].use_fast_kernel(torch.zeros(1, 4, 1, 16))
     got = run(cache)
@@ -221,7 +231,7 @@ def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):
 
 
 def test_the_value_pass_equals_the_torch_ops():
-    """The fast path's value pass (`fused._head_values`: codewords weighted by a head's bins, scaled, rotated back, in
+    """The fast path's value pass (`block_attention._head_values`: codewords weighted by a head's bins, scaled, rotated back, in
     one pass) == the layer's torch ops (`values_from_bins`), for 2-, 4- and 8-bit value codes."""
     model = tiny_llama()
     cache = kvshrink.make_cache("shard", model, sinks=2, window=4)
@@ -243,7 +253,7 @@ def test_the_value_pass_equals_the_torch_ops():
             for h in range(layer.h_kv):
                 rows_last = np.zeros((bins.shape[-1], 4), np.float32)   # as the kernel holds them: rows last, 4
                 rows_last[:, :3] = bins[b, h].T.numpy()
-                fused._head_values(rows_last, 3, codebook_t, block.v_scale[h].float().numpy(), rotation,
+                block_attention._head_values(rows_last, 3, codebook_t, block.v_scale[h].float().numpy(), rotation,
                                    np.empty((3, bins.shape[-1]), np.float32), np.empty(layer.d, np.float32),
                                    got[b, h])
         torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
@@ -264,19 +274,19 @@ def test_the_threaded_kernels_give_the_serial_kernels_results_exactly():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            assert fused._use_threads() == (threads == 2 and fused._threads_usable)
+            assert numba_support._use_threads() == (threads == 2 and numba_support._threads_usable)
             runs[threads] = [cache.layers[i].fused_middle_partial(cache.layers[i].middle[0], query, cache._ctx)
                              for i in range(len(cache.layers))]
     finally:
         torch.set_num_threads(before)
-    if not fused._threads_usable:
+    if not numba_support._threads_usable:
         pytest.skip("numba's threading layer here is its work queue: the serial kernels run")
     for one, two in zip(runs[1], runs[2]):
         assert torch.equal(one.out, two.out) and torch.equal(one.lse, two.lse)
 
 
 def test_the_one_pass_merge_equals_merge_partials():
-    """`fused.StepParts.merged` == the framework's `merge_partials` (the decode step's merge on the CPU fast path),
+    """`step_parts.StepParts.merged` == the framework's `merge_partials` (the decode step's merge on the CPU fast path),
     with rows a part does not see (lse -inf) and a row no part sees (zeros, -inf); more parts than it holds: an
     error."""
     from kvshrink.cache.attention import Partial
@@ -287,7 +297,7 @@ def test_the_one_pass_merge_equals_merge_partials():
     for part in parts:
         part.lse[1, 7] = float("-inf")
     want = merge_partials(parts)
-    held = fused.StepParts(torch.zeros(2, 9, 1, 16), 1.0, 4)
+    held = step_parts.StepParts(torch.zeros(2, 9, 1, 16), 1.0, 4)
     for part in parts:
         held.add(part.out, part.lse)
     out, lse = held.merged()
@@ -312,7 +322,7 @@ def test_the_one_pass_int8_attention_equals_exact_attention_over_the_decoded_cod
     query = torch.randn(2, 9, 1, 16, generator=g)
     want = exact_partial(query, dequantize_groups(keys).to(dtype), dequantize_groups(values).to(dtype), 0.25)
     out, lse = one_part(group_queries(query, 3),
-                        lambda parts: parts.int8(fused.int8_arrays(keys), fused.int8_arrays(values), dtype))
+                        lambda parts: parts.int8(exact_parts.int8_arrays(keys), exact_parts.int8_arrays(values), dtype))
     torch.testing.assert_close(ungroup(out, 9), want.out.float(), atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(ungroup(lse, 9), want.lse.float(), atol=2e-6, rtol=1e-6)
     if dtype != torch.float32:  # the rounding to the exact dtype is what makes them equal
@@ -341,7 +351,7 @@ def test_the_one_pass_exact_attention_equals_exact_partial(dtype):
 
 @pytest.mark.parametrize("column", [False, True])
 def test_the_scaled_bases_in_one_call_equal_basis_factors_bit_for_bit(column):
-    """`fused.scaled_bases` (the step's scaled key bases from the int8 bases in one numba call) == `BasisFactors
+    """`block_attention.scaled_bases` (the step's scaled key bases from the int8 bases in one numba call) == `BasisFactors
     .scaled_bases_t`'s torch ops bit for bit, for scopes of different ranks (zero past each), with and without
     per-channel scales."""
     from kvshrink.methods.shard.segments import BasisFactors
@@ -356,7 +366,7 @@ def test_the_scaled_bases_in_one_call_equal_basis_factors_bit_for_bit(column):
                              codes=torch.zeros(1, 2, 1, dtype=torch.uint8),
                              column_scale=(torch.rand(16, generator=g) + 0.5).half() if column else None))
     factors = BasisFactors.of(codes)
-    got = fused.scaled_bases(tuple(code.basis_q.numpy() for code in codes), factors.factor, factors.column)
+    got = block_attention.scaled_bases(tuple(code.basis_q.numpy() for code in codes), factors.factor, factors.column)
     want = factors.scaled_bases_t(codes)
     assert got.shape == want.shape == (3, 16, 8)
     assert torch.equal(got, want)
@@ -364,22 +374,22 @@ def test_the_scaled_bases_in_one_call_equal_basis_factors_bit_for_bit(column):
 
 @pytest.mark.parametrize("way", ["native", "bits"])
 def test_every_float16_word_decodes_as_torch_converts_it(way):
-    """Both ways the kernels read float16 words (the CPU's conversion instruction, ``fused.NATIVE_HALF``, and the bit
+    """Both ways the kernels read float16 words (the CPU's conversion instruction, ``half_words.NATIVE_HALF``, and the bit
     formula kept for CPUs without one) == torch's float16 to float32 conversion for all 65,536 words (zeros,
     subnormals, normals, infinities, NaNs): one at a time (`_half_float_*`: the stream's norms) and as rows
     (`_widen_half_rows_*`: the ring, LRQK's slots, window and factors; rows of 64 and of 16 words)."""
-    if way == "native" and not fused.NATIVE_HALF:
+    if way == "native" and not half_words.NATIVE_HALF:
         pytest.skip("this CPU has no float16 conversion instruction")
-    one, rows = (fused._half_float_native, fused._widen_half_rows_native) if way == "native" else \
-        (fused._half_float_bits, fused._widen_half_rows_bits)
+    one, rows = (half_words._half_float_native, half_words._widen_half_rows_native) if way == "native" else \
+        (half_words._half_float_bits, half_words._widen_half_rows_bits)
     words = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
     want = words.view(torch.float16).float().numpy()
     uint16 = words.numpy().view(np.uint16)
-    got = np.array([one(w, fused._HALF_POW2) for w in uint16], np.float32)
+    got = np.array([one(w, half_words._HALF_POW2) for w in uint16], np.float32)
     np.testing.assert_array_equal(got, want)
     for d in (64, 16):
         bits = np.zeros(((1 << 16) // d, d), np.uint32)
-        rows(uint16.reshape(-1, d), bits.shape[0] - 1, fused._HALF_POW2, bits)
+        rows(uint16.reshape(-1, d), bits.shape[0] - 1, half_words._HALF_POW2, bits)
         np.testing.assert_array_equal(bits[:-1].view(np.float32), want.reshape(-1, d)[:-1])
         assert not bits[-1].any()                                   # only the first n rows
 
@@ -402,8 +412,8 @@ def test_the_ring_read_from_its_words_equals_exact_partial(dtype, live, new):
     if new:
         keys, values = torch.cat([keys, token[0]], dim=2), torch.cat([values, token[1]], dim=2)
     want = exact_partial(query, keys, values, 0.25)
-    parts = fused.StepParts(group_queries(query, 3), 0.25, 1)
-    parts.ring(fused.ring_words(kv), live, dtype, (token[0], token[1]) if new else None)
+    parts = step_parts.StepParts(group_queries(query, 3), 0.25, 1)
+    parts.ring(exact_parts.ring_words(kv), live, dtype, (token[0], token[1]) if new else None)
     out, lse = parts.merged()
     torch.testing.assert_close(ungroup(out, 9), want.out, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(ungroup(lse, 9), want.lse, atol=2e-6, rtol=1e-6)
@@ -414,7 +424,7 @@ def test_the_stream_read_in_its_buffer_equals_the_compact_codes():
     ``n``) == `turbo_attention` over the same codes made compact; a norm beyond float16's range (inf) scores as
     the torch ops score it."""
     from kvshrink.codecs.lloyd_max import TurboCode, TurboQuantizer
-    from kvshrink.methods.shard.layer import _softmax_part
+    from kvshrink.methods.shard.reference import _softmax_part
 
     g = torch.Generator().manual_seed(5)
     turbo = TurboQuantizer(16, 4, seed=3)
@@ -423,16 +433,16 @@ def test_the_stream_read_in_its_buffer_equals_the_compact_codes():
                        codes=torch.zeros(2, 2, 3, 12, 8, dtype=torch.uint8))
     for i, code in enumerate((keys, values)):
         buffer.norm[i, :, :, :7], buffer.codes[i, :, :, :7] = code.norm, code.codes
-    codes, norm = fused.turbo_arrays(buffer)
+    codes, norm = stream.turbo_arrays(buffer)
     query = torch.randn(2, 3, 4, 16, generator=g)
-    parts = fused.StepParts(query, 0.25, 1)
+    parts = step_parts.StepParts(query, 0.25, 1)
     parts.turbo(turbo, (codes[0, ..., :7, :], norm[0, ..., :7]), (codes[1, ..., :7, :], norm[1, ..., :7]))
     out, lse = parts.merged()
-    want_out, want_lse = fused.turbo_attention(turbo, query, keys, values, 0.25)
+    want_out, want_lse = stream.turbo_attention(turbo, query, keys, values, 0.25)
     torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
     values.norm[0, 0, 2] = float("inf")
-    out, _ = fused.turbo_attention(turbo, query, keys, values, 0.25)
+    out, _ = stream.turbo_attention(turbo, query, keys, values, 0.25)
     probs, _ = _softmax_part(turbo.inner_products(query, keys) * 0.25)
     torch.testing.assert_close(out, turbo.weighted_sum(probs, values), atol=1e-5, rtol=1e-5, equal_nan=True)
     assert not torch.isfinite(out[0, 0]).all()
@@ -446,7 +456,7 @@ def numba_threads() -> int:
 
 @pytest.mark.parametrize("n", [0, 1, 15, 17, 1000])
 def test_the_one_pass_softmax_equals_torch_s(n):
-    """`fused._softmax_rows` (exp as a vectorised polynomial) == torch's softmax and log-sum-exp within float32
+    """`softmax._softmax_rows` (exp as a vectorised polynomial) == torch's softmax and log-sum-exp within float32
     rounding, with masked tokens (-inf: exactly zero), a row masked whole (zeros, -inf), and scores spread past
     exp's range (the smallest probabilities underflow to zero, as in torch)."""
     g = torch.Generator().manual_seed(0)
@@ -454,7 +464,7 @@ def test_the_one_pass_softmax_equals_torch_s(n):
     scores[4, ::3] = float("-inf")
     scores[5] = float("-inf")
     probs, lse = scores.numpy().copy(), np.empty(6, np.float32)
-    fused._softmax_rows(probs, lse)
+    softmax._softmax_rows(probs, lse)
     want_lse = torch.logsumexp(scores, dim=-1)
     want = torch.exp(scores - want_lse.clamp_min(torch.finfo(torch.float32).min)[:, None])
     torch.testing.assert_close(torch.from_numpy(probs), want, atol=1e-7, rtol=1e-5)
@@ -466,24 +476,24 @@ def test_the_one_pass_softmax_equals_torch_s(n):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_the_one_pass_stream_attention_equals_the_torch_ops(bits):
-    """`fused.turbo_attention` (scores, softmax and weighted sum straight from TurboQuant codes) == the torch
+    """`stream.turbo_attention` (scores, softmax and weighted sum straight from TurboQuant codes) == the torch
     ops Shard's stream partial uses otherwise (`inner_products`, softmax, `weighted_sum`)."""
     from kvshrink.codecs.lloyd_max import TurboQuantizer
-    from kvshrink.methods.shard.layer import _softmax_part
+    from kvshrink.methods.shard.reference import _softmax_part
 
     g = torch.Generator().manual_seed(bits)
     turbo = TurboQuantizer(16, bits, seed=3)
-    assert fused.turbo_supported(turbo) and not fused.turbo_supported(TurboQuantizer(16, bits, qjl=True))
+    assert stream.turbo_supported(turbo) and not stream.turbo_supported(TurboQuantizer(16, bits, qjl=True))
     keys, values = (turbo.encode(torch.randn(2, 3, 7, 16, generator=g)) for _ in range(2))
     query = torch.randn(2, 3, 4, 16, generator=g)
-    out, lse = fused.turbo_attention(turbo, query, keys, values, 0.25)
+    out, lse = stream.turbo_attention(turbo, query, keys, values, 0.25)
     probs, want_lse = _softmax_part(turbo.inner_products(query, keys) * 0.25)
     want = turbo.weighted_sum(probs, values)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     # vectors coded less their centres: every score gains q . key centre (the lse alone), the output the value one
     centre = torch.randn(2, 2, 3, 16, generator=g) * 4
-    out, lse = fused.turbo_attention(turbo, query, keys, values, 0.25, centre)
+    out, lse = stream.turbo_attention(turbo, query, keys, values, 0.25, centre)
     torch.testing.assert_close(out, want + centre[1].unsqueeze(-2), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse + (query * centre[0].unsqueeze(-2)).sum(-1) * 0.25, atol=1e-4,
                                rtol=1e-5)
@@ -491,7 +501,7 @@ def test_the_one_pass_stream_attention_equals_the_torch_ops(bits):
 
 @pytest.mark.parametrize("dim,bits", [(64, 2), (64, 1), (48, 4), (128, 8)])
 def test_the_one_pass_stream_encode_equals_turbo_encode(dim, bits):
-    """`fused.turbo_encode_into` (the CPU fast path's stream encode) writes `TurboQuantizer.encode`'s codes and
+    """`encoders.turbo_encode_into` (the CPU fast path's stream encode) writes `TurboQuantizer.encode`'s codes and
     norms, bit for bit, into tokens ``at ..`` of a buffer, from keys and values where they lie (a strided slot
     of a float16 ring buffer), touching nothing else; norms cover float16's subnormal and overflow ends."""
     from kvshrink.codecs.lloyd_max import TurboQuantizer
@@ -509,7 +519,7 @@ def test_the_one_pass_stream_encode_equals_turbo_encode(dim, bits):
         want = turbo.encode(x.float() - (0.0 if given is None else given.unsqueeze(-2)))
         codes = torch.zeros(2, 2, 3, 10, want.codes.shape[-1], dtype=torch.uint8)
         norm = torch.zeros(2, 2, 3, 10, dtype=torch.float16)
-        fused.turbo_encode_into(turbo, x, codes, norm, 3, given)
+        encoders.turbo_encode_into(turbo, x, codes, norm, 3, given)
         assert torch.equal(codes[..., 3:5, :], want.codes)
         assert torch.equal(norm[..., 3:5].view(torch.int16), want.norm.view(torch.int16))
         assert not codes[..., :3, :].any() and not codes[..., 5:, :].any() and not norm[..., 5:].any()
@@ -517,7 +527,7 @@ def test_the_one_pass_stream_encode_equals_turbo_encode(dim, bits):
 
 @pytest.mark.parametrize("planted", [None, 65504.0, 65520.0, -1e5, float("inf"), float("nan"), "nan in the ring"])
 def test_the_one_pass_ring_step_equals_pop_encode_and_put(planted):
-    """`fused.ring_step` (a full ring's decode commit on the CPU fast path) against what it replaces: the slot's
+    """`encoders.ring_step` (a full ring's decode commit on the CPU fast path) against what it replaces: the slot's
     token coded by `turbo_encode_into` into the stream, then the new token stored in the slot as `.to(float16)`
     rounds it. The same codes, norms and ring, bit for bit; a new value beyond float16's range refused with
     nothing changed (its magnitude returned); a NaN let through as `to_storage` lets it through."""
@@ -537,13 +547,13 @@ def test_the_one_pass_ring_step_equals_pop_encode_and_put(planted):
     want_kv, want_codes, want_norm = kv.clone(), codes.clone(), norm.clone()
     try:
         new = torch.stack([to_storage(key, torch.float16), to_storage(value, torch.float16)])
-        fused.turbo_encode_into(turbo, want_kv[:, :, :, 4:5], want_codes, want_norm, 2, centre)
+        encoders.turbo_encode_into(turbo, want_kv[:, :, :, 4:5], want_codes, want_norm, 2, centre)
         want_kv[:, :, :, 4:5] = new
         refused = False
     except ValueError:
         refused = True
     given = kv.clone()
-    peak = fused.ring_step(turbo, fused.ring_words(kv), 4, key, value, *fused.stream_words(codes, norm), 2, centre)
+    peak = encoders.ring_step(turbo, exact_parts.ring_words(kv), 4, key, value, *stream.stream_words(codes, norm), 2, centre)
     assert (peak is not None) == refused
     if refused:
         assert peak == abs(planted) and torch.equal(kv.view(torch.int16), given.view(torch.int16))
@@ -554,10 +564,10 @@ def test_the_one_pass_ring_step_equals_pop_encode_and_put(planted):
 
 
 _COLD_DECODE_SCRIPT = r"""
-import sys, torch, kvshrink
+import importlib, pkgutil, sys, torch, kvshrink
+import kvshrink.kernels.cpu
 from numba.core.registry import CPUDispatcher
 from transformers import LlamaConfig, LlamaForCausalLM
-from kvshrink.codecs import fused, lowrank_fused
 
 spec, options = sys.argv[1], eval(sys.argv[2])
 torch.set_num_threads(2)                 # the parallel kernels too, as a user's process runs them
@@ -571,7 +581,9 @@ with torch.no_grad():
 
 
 def signatures():
-    return {(module.__name__, name): len(f.signatures) for module in (fused, lowrank_fused)
+    modules = [importlib.import_module(f"kvshrink.kernels.cpu.{m.name}")
+               for m in pkgutil.iter_modules(kvshrink.kernels.cpu.__path__)]
+    return {(module.__name__, name): len(f.signatures) for module in modules
             for name, f in vars(module).items() if isinstance(f, CPUDispatcher)}
 
 

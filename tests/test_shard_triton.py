@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 import kvshrink  # noqa: E402
 from kvshrink.cache.attention import group_queries, merge_partials  # noqa: E402
 from kvshrink.cache.rowwise import row_context  # noqa: E402
-from kvshrink.codecs import fused  # noqa: E402
+from kvshrink.kernels.cpu import block_attention, numba_support  # noqa: E402
 from kvshrink.codecs.bitpack import unpack_bits  # noqa: E402
 from kvshrink.codecs.groupwise import GroupCode, quantize_groups  # noqa: E402
 from kvshrink.codecs.rope import pair_order  # noqa: E402
@@ -24,6 +24,7 @@ from kvshrink.kernels import backend  # noqa: E402
 from kvshrink.kernels.backend import force_gpu_path  # noqa: E402
 from kvshrink.kernels.counting import OpCounter  # noqa: E402
 from kvshrink.methods.shard import layer as shard_layer  # noqa: E402
+from kvshrink.methods.shard import reference as shard_reference  # noqa: E402
 from kvshrink.methods.shard.salient import SalientTokens, salient_partials  # noqa: E402
 from kvshrink.methods.shard.segments import stacked_codes  # noqa: E402
 
@@ -145,7 +146,7 @@ def test_triton_path_with_padding_batch_rows_stream_and_several_blocks():
 def test_query_rows_in_slices_when_the_scores_would_be_large(monkeypatch):
     """Prefill-with-past sized queries: the rows go through the kernels in slices (bounded scores)."""
     cache = shard_cache(model_with(), salient=0.05)
-    monkeypatch.setattr(shard_layer, "_SCORE_ELEMENTS", 2 * 100 * 7)   # 7 rows of 2 heads x 100 tokens
+    monkeypatch.setattr(shard_reference, "SCORE_ELEMENTS", 2 * 100 * 7)   # 7 rows of 2 heads x 100 tokens
     assert assert_triton_equals_reference(cache, q_lens=(20,)) == 1
 
 
@@ -163,11 +164,11 @@ def test_a_forced_gpu_path_decodes_the_same_tokens_as_the_cpu_path():
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
 
-# ---- kernel level: `sca.code_attention` against `fused.code_attention` and a plain torch oracle ---------
+# ---- kernel level: `sca.code_attention` against `block_attention.code_attention` and a plain torch oracle ---------
 
 def torch_code_attention(codes, plan, scaled, mean, cos, sin, query, scaling, hidden, v_codes, v_bits,
                          n_groups):
-    """`fused.code_attention` in plain torch: keys decoded from the codes by each component's bits (the
+    """`block_attention.code_attention` in plain torch: keys decoded from the codes by each component's bits (the
     `ComponentPlan`), RoPE in pair order, softmax with held rows masked, probabilities binned per codeword."""
     cplan = sca.component_plan(plan, scaled.shape[1], codes.device)
     batch, heads, rows, d = query.shape
@@ -288,9 +289,9 @@ def test_kernel_equals_torch_oracle_and_numba(opts):
     torch.testing.assert_close(bins, want_bins, atol=2e-6, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     assert bins.sum(-1).div(args[-1]).sub(1).abs().max() < 1e-5   # each group's probabilities sum to one
-    if fused.available():   # the CPU kernel reads the runs' layout and RoPE channel-major
+    if numba_support.available():   # the CPU kernel reads the runs' layout and RoPE channel-major
         cpu_args = [args[0], layout] + args[2:4] + [args[4].transpose(1, 2), args[5].transpose(1, 2)] + args[6:]
-        numba_bins, numba_lse = fused.code_attention(*cpu_args)
+        numba_bins, numba_lse = block_attention.code_attention(*cpu_args)
         torch.testing.assert_close(bins, numba_bins, atol=2e-6, rtol=1e-4)
         torch.testing.assert_close(lse, numba_lse, atol=1e-5, rtol=1e-5)
 
@@ -383,7 +384,7 @@ def test_stream_kernels_equal_the_torch_stream(dim, bits, qjl, rows, rotate_in_k
     keys, values = (turbo.encode(torch.randn(2, 2, 45, dim, generator=g)) for _ in range(2))
     q = torch.randn(2, 2, rows, dim, generator=g)
     centre = torch.randn(2, 2, 2, dim, generator=g)
-    probs, want_lse = shard_layer._softmax_part(turbo.inner_products(q, keys) * 0.125)
+    probs, want_lse = shard_reference._softmax_part(turbo.inner_products(q, keys) * 0.125)
     want = turbo.weighted_sum(probs, values)
     for tiles in (None, sca.GPU_TILES):
         out, lse = sca.turbo_attention(turbo, q, keys, values, 0.125, tiles=tiles)
@@ -680,7 +681,7 @@ def test_triton_equals_reference_on_cuda_in_bf16(opts):
             torch.testing.assert_close(part.out, want.out, atol=1e-4, rtol=1e-3)
             torch.testing.assert_close(part.lse, want.lse, atol=1e-4, rtol=1e-4)
         turbo, qg = layer.shared.turbo, group_queries(q.float(), layer.h_kv)
-        probs, lse = shard_layer._softmax_part(turbo.inner_products(qg, layer.stream.keys) * ctx.scaling)
+        probs, lse = shard_reference._softmax_part(turbo.inner_products(qg, layer.stream.keys) * ctx.scaling)
         out = turbo.weighted_sum(probs, layer.stream.values)
         torch.testing.assert_close(stream.out, out.reshape(stream.out.shape), atol=1e-4, rtol=1e-3)
         torch.testing.assert_close(stream.lse, lse.reshape(stream.lse.shape), atol=1e-4, rtol=1e-4)

@@ -22,7 +22,7 @@ import torch
 
 from .bit_allocation import PCA_BITS
 from .bitpack import lookup_packed, pack_bits, unpack_bits
-from .scalar_levels import byte_level_table, gaussian_uniform_step, quantize_unit, unit_levels
+from .scalar_levels import QuantizeUnit, byte_level_table, gaussian_uniform_step, quantize_unit, unit_levels
 from .table_decoder import TableDecoder
 
 _SCALE_MULTIPLIERS = (0.7, 0.85, 1.0, 1.2, 1.45)
@@ -150,7 +150,7 @@ def stack_fields(codes: list[PCACode], field: str, length: int) -> torch.Tensor:
 
 
 def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels: str,
-                sample: int = 1024) -> torch.Tensor:
+                sample: int = 1024, quantize: QuantizeUnit = quantize_unit) -> torch.Tensor:
     """Per component, the multiple of ``base_step`` with the least squared error on a row sample."""
     rows = coeffs.reshape(-1, coeffs.shape[-1])
     if rows.shape[0] > sample:
@@ -160,19 +160,20 @@ def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels
     table = unit_levels(bits, levels, rows.device)
     # Every multiplier at once (M sample-sized temporaries, a few hundred KB): a per-multiplier loop cost
     # ~5 small ops x M per call, 0.3 s of an 8K prefill's compression (the same errors, summed in the same order)
-    err = (rows - table[quantize_unit(rows / steps, bits, levels).long()] * steps).pow(2).sum(1)  # [M, r]
+    err = (rows - table[quantize(rows / steps, bits, levels).long()] * steps).pow(2).sum(1)  # [M, r]
     return steps.squeeze(1).gather(0, err.argmin(0, keepdim=True)).squeeze(0)
 
 
 def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | torch.Tensor,
                fit_rows: torch.Tensor | None = None, levels: str = "uniform",
-               column_scale: torch.Tensor | None = None) -> PCACode:
+               column_scale: torch.Tensor | None = None, quantize: QuantizeUnit = quantize_unit) -> PCACode:
     """Code rows ``x`` ``[..., N, D]`` with ``fit``; component ``i`` gets ``bits_per_component[i]``
     bits (0 = dropped). ``fit_rows`` (bool ``[..., N]``) marks the rows used to choose the steps
     (e.g. excluding padding); default all. ``levels``: see `unit_levels`.
 
     ``column_scale`` (``[D]``, stored in fp16): ``x`` (and ``fit``) are rows already divided by it
-    column by column (a weighting of the columns' errors); decoding multiplies it back."""
+    column by column (a weighting of the columns' errors); decoding multiplies it back. ``quantize``: the
+    coefficients' coding (`quantize_unit`, or a faster one that gives the same codes)."""
     unit_levels(2, levels)  # validates the name
     bits = [int(b) for b in bits_per_component]
     if len(bits) != fit.basis.shape[1]:
@@ -199,11 +200,12 @@ def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | tor
         while stop < len(kept_bits) and kept_bits[stop] == b:
             stop += 1
         base = std[start:stop] * (gaussian_uniform_step(b) if levels == "uniform" else 1.0)
-        steps[start:stop] = _best_steps(sample.reshape(-1, coeffs.shape[-1])[:, start:stop], base, b, levels) \
+        steps[start:stop] = _best_steps(sample.reshape(-1, coeffs.shape[-1])[:, start:stop], base, b, levels,
+                                        quantize=quantize) \
             if sample.numel() else base
         step16 = steps[start:stop].to(torch.float16).float()
         steps[start:stop] = step16
-        q = quantize_unit(coeffs[..., start:stop] / step16, b, levels)
+        q = quantize(coeffs[..., start:stop] / step16, b, levels)
         packed.append(pack_bits(q, b))
         runs.append((b, start, stop, n_bytes, n_bytes + packed[-1].shape[-1]))
         n_bytes = runs[-1][-1]

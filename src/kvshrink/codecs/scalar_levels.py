@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -79,17 +80,22 @@ def byte_level_table(bits: int, levels: str, device: str) -> torch.Tensor:
     return unit_levels(bits, levels, device)[byte_codes(bits, device)]
 
 
+def unit_bounds(bits: int, kind: str, device=None) -> torch.Tensor:
+    """The decision bounds between consecutive `unit_levels` (``2**bits - 1`` of them, ascending)."""
+    levels = unit_levels(bits, kind, device)
+    return (levels[1:] + levels[:-1]) / 2
+
+
+# A coder of coefficients divided by their step: ``(z, bits, kind) -> codes`` (`quantize_unit`'s)
+QuantizeUnit = Callable[[torch.Tensor, int, str], torch.Tensor]
+
+
 def quantize_unit(z: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     """Codes of ``z`` (coefficients divided by their step) for `unit_levels`."""
     if kind == "uniform":
         qmax = (1 << (bits - 1)) - 1
         return torch.clamp(torch.round(z), -qmax, qmax).long() + qmax
-    levels = unit_levels(bits, kind, z.device)
-    bounds = (levels[1:] + levels[:-1]) / 2
-    from . import fused
-
-    if z.device.type == "cpu" and bits <= 8 and fused.available():  # one pass (the same codes, uint8)
-        return fused.level_codes(z, bounds, nan_last=bits > 4)
+    bounds = unit_bounds(bits, kind, z.device)
     if bits > 4:
         return torch.bucketize(z.contiguous(), bounds)
     # Few boundaries: counting the ones below is faster than a binary search on CPU. uint8 codes (an

@@ -215,35 +215,6 @@ class SlotPlan:
         return sum(a.nbytes for a in arrays) + (0 if self.columns is None else self.columns.numel() * 8)
 
 
-@dataclass
-class RunLayout:
-    """The runs of equal code width of several `PCACode` (one per scope, same rows) as integers: what the
-    fused CPU kernel reads to decode a row's coefficients (`codecs.fused.code_attention`)."""
-
-    runs: object  # int32 numpy [S, max_runs, 4]: each scope's runs (bits, component, components, byte)
-    run_counts: object  # int32 numpy [S]
-    level_kind: str  # the codes' levels (`scalar_levels.COEFF_LEVELS`)
-    widths: tuple  # the code widths the runs use, ascending
-
-    def nbytes(self) -> int:
-        return self.runs.nbytes + self.run_counts.nbytes
-
-
-def run_layout(codes: list[PCACode]) -> RunLayout:
-    """The `RunLayout` of ``codes``, which share their level kind."""
-    import numpy as np
-
-    kinds = {code.levels for code in codes}
-    if len(kinds) != 1:
-        raise ValueError(f"codes of one block share their levels, got {sorted(kinds)}")
-    runs = np.zeros((len(codes), max(1, max(len(c.runs) for c in codes)), 4), np.int32)
-    for i, code in enumerate(codes):
-        for k, (bits, a, b, byte_a, _) in enumerate(code.runs):
-            runs[i, k] = (bits, a, b - a, byte_a)
-    return RunLayout(runs, np.array([len(c.runs) for c in codes], np.int32), kinds.pop(),
-                     tuple(sorted({run[0] for code in codes for run in code.runs})))
-
-
 def slot_plan(codes: list[PCACode], columns: torch.Tensor | None = None, slot_bits: int = 8) -> SlotPlan:
     """The `SlotPlan` of ``codes`` (decoded columns in ``columns`` order). Runs whose width divides
     ``slot_bits`` (4 or 8) read ``slot_bits`` bits per slot (several codes: ``2**slot_bits`` table rows);

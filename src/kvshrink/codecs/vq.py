@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .bitpack import pack_bits, unpack_bits
+
+# A nearest-codeword search: ``(x [N, g], codebook [k, g], chunk=..., out_dtype=...) -> indices [N]``
+AssignCodes = Callable[..., torch.Tensor]
 
 __all__ = ["kmeans_plus_plus", "fit_codebook", "assign_codes", "gaussian_codebook", "VQCode", "vq_encode",
            "check_codebook_size"]
@@ -34,18 +38,8 @@ def check_codebook_size(k: int) -> int:
 def assign_codes(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 2048,
                  out_dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Index of the nearest codeword for each row of ``x`` ``[N, g]`` (exhaustive, chunked over rows:
-    small chunks keep the ``chunk x k`` distance block in cache, which measured fastest on CPU).
+    small chunks keep the ``chunk x k`` distance block in cache, which measured fastest on CPU; any device).
     ``out_dtype`` (e.g. int32) narrows the result when it is only going to be packed."""
-    from . import fused
-
-    if x.device.type == "cpu" and codebook.device.type == "cpu" and fused.available():
-        return fused.nearest_codewords(x, codebook).to(out_dtype)   # one pass, 1.7x faster on CPU
-    return assign_codes_torch(x, codebook, chunk, out_dtype)
-
-
-def assign_codes_torch(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 2048,
-                       out_dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """`assign_codes` in torch ops (any device; the oracle of the numba pass)."""
     c = codebook.float()
     c_sq = c.pow(2).sum(1)
     out = torch.empty(x.shape[0], dtype=out_dtype, device=x.device)
@@ -75,11 +69,12 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator) -> tor
 
 
 def fit_codebook(x: torch.Tensor, k: int, *, iters: int = 6, sample: int = 16384, seed: int = 0,
-                 init: "str | torch.Tensor" = "kmeans++") -> torch.Tensor:
+                 init: "str | torch.Tensor" = "kmeans++", assign: AssignCodes = assign_codes) -> torch.Tensor:
     """Fit a ``[k, g]`` float32 codebook on (a seeded sample of at most ``sample``) rows of ``x``.
 
     ``init``: ``"kmeans++"``, ``"random"`` (k sampled rows) or a ``[k, g]`` starting codebook (e.g.
-    `gaussian_codebook` for data that is close to Gaussian: then a few iterations suffice).
+    `gaussian_codebook` for data that is close to Gaussian: then a few iterations suffice). ``assign``: the
+    nearest-codeword search each iteration runs (`assign_codes`, or a faster one that gives the same indices).
     """
     check_codebook_size(k)
     if x.dim() != 2 or x.shape[0] == 0:
@@ -99,7 +94,7 @@ def fit_codebook(x: torch.Tensor, k: int, *, iters: int = 6, sample: int = 16384
     else:
         raise ValueError(f"init must be 'kmeans++' or 'random', got {init!r}")
     for _ in range(iters):
-        idx = assign_codes(xs, c)
+        idx = assign(xs, c)
         sums = torch.zeros_like(c).index_add_(0, idx, xs)
         counts = torch.bincount(idx, minlength=k).to(c.dtype)
         filled = counts > 0
@@ -108,20 +103,22 @@ def fit_codebook(x: torch.Tensor, k: int, *, iters: int = 6, sample: int = 16384
 
 
 @functools.lru_cache(maxsize=16)
-def _gaussian_codebook(group: int, k: int, seed: int) -> torch.Tensor:
+def _gaussian_codebook(group: int, k: int, seed: int, assign: AssignCodes) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     samples = torch.randn(max(64 * k, 16384), group, generator=g)
-    return fit_codebook(samples, k, iters=25, sample=samples.shape[0], seed=seed)
+    return fit_codebook(samples, k, iters=25, sample=samples.shape[0], seed=seed, assign=assign)
 
 
-def gaussian_codebook(group: int, k: int, *, seed: int = 0, device=None) -> torch.Tensor:
-    """k-means codebook ``[k, group]`` for the standard Gaussian in ``group`` dims (computed once, cached).
+def gaussian_codebook(group: int, k: int, *, seed: int = 0, device=None,
+                      assign: AssignCodes = assign_codes) -> torch.Tensor:
+    """k-means codebook ``[k, group]`` for the standard Gaussian in ``group`` dims (computed once per ``assign``,
+    cached; ``assign`` as `fit_codebook` takes it).
 
     After a random rotation and per-channel scaling, groups of channels are close to Gaussian, so this
     is a data-independent codebook (and a good start for refining on the data).
     """
     check_codebook_size(k)
-    return _gaussian_codebook(group, k, seed).to(device)
+    return _gaussian_codebook(group, k, seed, assign).to(device)
 
 
 @dataclass
@@ -154,16 +151,17 @@ class VQCode:
 
 
 def vq_encode(x: torch.Tensor, group: int, k: int, *, fit_mask: torch.Tensor | None = None,
-              iters: int = 6, sample: int = 16384, seed: int = 0) -> VQCode:
+              iters: int = 6, sample: int = 16384, seed: int = 0, assign: AssignCodes = assign_codes) -> VQCode:
     """Fit a codebook on groups of ``x`` ``[..., D]`` (rows where ``fit_mask`` is true, default all)
-    and code every group."""
+    and code every group (``assign`` as `fit_codebook` takes it)."""
     bits = check_codebook_size(k)
     dim = x.shape[-1]
     if group < 1 or dim % group:
         raise ValueError(f"group size {group} must divide the vector size {dim}")
     groups = x.reshape(-1, group)
     fit_rows = groups if fit_mask is None else x[fit_mask].reshape(-1, group)
-    codebook = fit_codebook(fit_rows if fit_rows.shape[0] else groups, k, iters=iters, sample=sample, seed=seed)
+    codebook = fit_codebook(fit_rows if fit_rows.shape[0] else groups, k, iters=iters, sample=sample, seed=seed,
+                            assign=assign)
     codebook16 = codebook.to(torch.float16)
-    idx = assign_codes(groups, codebook16.float()).reshape(*x.shape[:-1], dim // group)
+    idx = assign(groups, codebook16.float()).reshape(*x.shape[:-1], dim // group)
     return VQCode(codebook=codebook16, codes=pack_bits(idx, bits), group=group, dim=dim)

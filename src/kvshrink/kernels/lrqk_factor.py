@@ -1,6 +1,6 @@
 """LRQK's per-token factor update for the GPU path in one Triton launch per layer.
 
-What ``LRQKLayer`` does on the CPU path with numba (``codecs.lowrank_fused.resident_decode_step``) and what
+What ``LRQKLayer`` does on the CPU path with numba (``kernels.cpu.lrqk_factor.resident_decode_step``) and what
 its torch ops do otherwise (``_resident_sums``, ``lowrank.factor_vectors_from_sums`` and two
 ``lowrank.line_search_basis_step``): for each factor head, the sums over the resident tokens (the slots
 chosen last step and the window) ``AᵀA`` and ``(q·Kᵀ)A`` in float32, then the alternating closed-form
@@ -191,7 +191,7 @@ def factor_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: 
                 slot_token: torch.Tensor, slot_chosen: torch.Tensor, slot_keys: torch.Tensor,
                 window_keys: torch.Tensor, window_start: int, copies: int, lam: float, update_bases: bool,
                 iters: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowrank_fused.resident_decode_step`` in one launch: ``(q̂ [N, G, r], k̂ [N, r])`` float64; the float32
+    """``kernels.cpu.lrqk_factor.resident_decode_step`` in one launch: ``(q̂ [N, G, r], k̂ [N, r])`` float64; the float32
     contiguous bases ``b_q``/``b_k`` ``[N, r, d]`` take the line-search step in place when ``update_bases``.
 
     ``query [N, G, d]``, ``key [N, d]`` (float32, or the model's 16-bit dtype: read as float32); ``factors [N, T, r]`` (any float dtype, last dim contiguous):

@@ -1,5 +1,5 @@
 """Triton kernels for Shard's compressed middle: `code_attention`, the GPU twin of
-`kvshrink.codecs.fused.code_attention` (same inputs, same outputs, so the layer calls either).
+`kvshrink.kernels.cpu.block_attention.code_attention` (same inputs, same outputs, so the layer calls either).
 
 One block of coded tokens is answered in two kernels, without materialising the block's keys or values:
 
@@ -476,7 +476,7 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
                    sin: torch.Tensor, query: torch.Tensor, scaling: float, hidden: torch.Tensor | None,
                    v_codes: torch.Tensor, v_bits: int, n_groups: int,
                    tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kvshrink.codecs.fused.code_attention` on the GPU path: the same arguments (``plan`` a `SlotPlan`,
+    """`kvshrink.kernels.cpu.block_attention.code_attention` on the GPU path: the same arguments (``plan`` a `SlotPlan`,
     or its `ComponentPlan` already on the device) and the same result, ``(bins [B, H_kv, R, n_groups *
     2**v_bits], lse [B, H_kv, R])`` float32. The layer prepares a block once instead (`block_attention`)."""
     if not isinstance(plan, ComponentPlan):

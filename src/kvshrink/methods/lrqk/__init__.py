@@ -6,8 +6,8 @@ method). Importing the package registers the method.
 - `tiers`: the slow tier (every token's K/V, host or disk) and the fast tier of slots;
 - `prefill`: chunked prefill; `report`: data-movement counters and per-step logs.
 
-The GPU path's Triton kernels are in ``kvshrink.kernels.lrqk_*``, the factor math in
-``kvshrink.codecs.lowrank`` and ``kvshrink.codecs.lowrank_fused``.
+The GPU path's Triton kernels are in ``kvshrink.kernels.lrqk_*``, the CPU path's numba ones in
+``kvshrink.kernels.cpu.lrqk_*``, the factor math in ``kvshrink.codecs.lowrank``.
 """
 
 from kvshrink.methods.lrqk.layer import LRQKLayer, LRQKOptions

@@ -4,9 +4,9 @@ Per KV row (one KV head of one batch row; rows are independent, so numba's threa
 order of ``LRQKLayer``'s reference path:
 
 1. the scores ``q·k`` of the tokens resident before the step (slots, window), read from their float16 words;
-2. the factor update (``lowrank_fused._head_step``) over the resident sums made from those scores;
+2. the factor update (``kernels.cpu.lrqk_factor._head_step``) over the resident sums made from those scores;
 3. the proxy scores ``q̂·A_K`` of every candidate, their softmax summed over the group, the top-k
-   (``lowrank_fused._proxy_top_k_row``: the same tie rule);
+   (``kernels.cpu.lrqk_proxy._proxy_top_k_row``: the same tie rule);
 4. the slot fill (``tiers.plan_fill_row``: the ``set`` policy's slots), the missing rows read from the
    slow tier and narrowed into the slots;
 5. exact attention over the selected slots, the window and the new token. A slot whose token stayed keeps
@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvshrink.codecs import fused, lowrank_fused
+from kvshrink.kernels.cpu import numba_support
 from kvshrink.methods.lrqk.tiers import _F32_FP16_OVERFLOW_BITS, _F32_INF_BITS
 
 __all__ = ["decode_step", "warm_up"]
@@ -38,11 +38,14 @@ __all__ = ["decode_step", "warm_up"]
 # of a row's slots, window and factors, ~450 KB at 2K, cost ~1.2 ms per 2K decode step in a model, measured)
 TILE_WORDS = 4096
 
-if fused.available():
+if numba_support.available():
     from numba import njit, prange
 
-    from kvshrink.codecs.fused import _HALF_POW2, _softmax_rows, _widen_rows, narrow_row, prefetch_row
-    from kvshrink.codecs.lowrank_fused import _FASTMATH, _head_step, _proxy_top_k_row, resident_gram_sums, score_into
+    from kvshrink.kernels.cpu.half_words import _HALF_POW2, _widen_rows, narrow_row
+    from kvshrink.kernels.cpu.lrqk_factor import _head_step, resident_gram_sums, score_into
+    from kvshrink.kernels.cpu.lrqk_proxy import _proxy_top_k_row
+    from kvshrink.kernels.cpu.numba_support import _FASTMATH, prefetch_row
+    from kvshrink.kernels.cpu.softmax import _softmax_rows
     from kvshrink.methods.lrqk.tiers import _shift_in_narrowed, plan_fill_row
 
     @njit(inline="always")
@@ -89,7 +92,7 @@ if fused.available():
     def _resident_fit_sums(q, a_words, token, chosen, win_start, slot_scores, win_scores, pow2):  # pragma: no cover
         """``AᵀA [r, r]`` and ``(q·Kᵀ)A [G, r]`` over Ω (the slots chosen last step, then the window), from the
         scores already made and the factor rows' float16 words ``a_words [n, r]``: the sums
-        ``lowrank_fused._resident_sums`` makes."""
+        ``kernels.cpu.lrqk_factor._resident_sums`` makes."""
         g_rows, n_slots, n_win, r = q.shape[0], token.shape[0], win_scores.shape[1] - 1, a_words.shape[1]
         a_t = np.empty((r, n_slots + n_win), np.float32)
         scores = np.empty((g_rows, n_slots + n_win), np.float32)
@@ -276,7 +279,7 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
     r = b_q.shape[1]
     out = np.empty((rows, g, d), np.float32)
     q_hat, k_hat = np.empty((rows, g, r)), np.empty((rows, r))
-    kernel = _decode_step_parallel if fused._use_threads() else _decode_step
+    kernel = _decode_step_parallel if numba_support._use_threads() else _decode_step
     missed, beyond = kernel(query, key, value, b_q, b_k, factor_words, int(a_len), token, score, chosen, *slot_words,
                     *window_words, slow_words, slow_words.shape[0] - 1, int(candidates), int(k), first, int(past),
                     np.float32(scaling), float(lam), int(iters), bool(update_bases), bool(fit_resident), _HALF_POW2,
@@ -287,7 +290,7 @@ def decode_step(query: np.ndarray, key: np.ndarray, value: np.ndarray, b_q: np.n
 def warm_up() -> None:
     """Compile (or load from numba's cache) the step now, on a tiny layer: the serial or the parallel variant,
     whichever the current thread count runs (the other is compiled on first use if the count changes)."""
-    if not fused.available():
+    if not numba_support.available():
         return
     half = np.zeros((1, 2, 2), np.uint16)
     decode_step(np.ones((1, 1, 2), np.float32), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),

@@ -56,9 +56,9 @@ from kvshrink.cache.store import (
     storage_overflow_check,
     to_storage,
 )
-from kvshrink.codecs import fused, lowrank_fused
 from kvshrink.kernels.backend import gpu_path, triton_available
 from kvshrink.kernels.compile_notice import compiling
+from kvshrink.kernels.cpu import lrqk_factor, lrqk_proxy, numba_support, warm_up
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -177,7 +177,7 @@ class LRQKLayer(CacheLayer):
         self.fast = o.kernel == "fast"
         if self.fast:
             with compiling("lrqk"):  # compile or load the kernels now, not in the first timed decode step
-                lowrank_fused.warm_up()
+                warm_up.lrqk()
                 warm_up_fill_planner()
                 cpu_step.warm_up()
         self._pool: ThreadPoolExecutor | None = None
@@ -217,7 +217,7 @@ class LRQKLayer(CacheLayer):
         self._step_factors: torch.Tensor | None = None   # a decode step's float32 key factors (fast CPU path)
         self._prefetched = None
         self._overflow: torch.Tensor | None = None    # GPU path: deferred float16 range checks
-        self._views = fused.NumpyViews()              # the compiled commit's numpy words of win_k, win_v, a_k
+        self._views = numba_support.NumpyViews()              # the compiled commit's numpy words of win_k, win_v, a_k
         self.counters = new_counters()
         self.step_log: list[tuple[int, int, int]] = []   # (selected, missed, bytes) per decode step
 
@@ -324,7 +324,7 @@ class LRQKLayer(CacheLayer):
 
     def _make_compiled_layout(self) -> tuple | None:
         s = self.slots
-        if not (self.fast and fused.available() and self.policy == "set" and not self.prefetch_on
+        if not (self.fast and numba_support.available() and self.policy == "set" and not self.prefetch_on
                 and not self.exact_selection and not self.measure_recall and self.copies == 1 and self.window
                 and self.win_k is not None and self.win_k.shape[2] == self.window and self.b_k is not None
                 and self.slow.dtype == torch.float32):
@@ -332,7 +332,7 @@ class LRQKLayer(CacheLayer):
         if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous()
                    for t in (s.keys, s.values, self.win_k, self.win_v, self.a_k)):
             return None
-        self.b_q, self.b_k = (b if lowrank_fused._is_kernel_basis(b) else lowrank_fused._basis_copy(b)
+        self.b_q, self.b_k = (b if lrqk_factor._is_kernel_basis(b) else lrqk_factor._basis_copy(b)
                               for b in (self.b_q, self.b_k))
         return (self.b_q.numpy(), self.b_k.numpy(), half_words(self.a_k), s.token.numpy(), s.score.numpy(),
                 s.chosen.numpy(), (half_words(s.keys), half_words(s.values)),
@@ -356,8 +356,8 @@ class LRQKLayer(CacheLayer):
         first = ctx.pad_len.repeat_interleave(self.info.num_kv_heads).long().numpy() if ctx.pad_len is not None \
             else self._no_padding(rows)
         out, q_hat, k_hat, missed, beyond = cpu_step.decode_step(
-            fused._numpy(query.reshape(rows, -1, d)), fused._numpy(key).reshape(rows, d),
-            fused._numpy(value).reshape(rows, d), b_q, b_k, factor_words, self.a_len, token, score, chosen,
+            numba_support._numpy(query.reshape(rows, -1, d)), numba_support._numpy(key).reshape(rows, d),
+            numba_support._numpy(value).reshape(rows, d), b_q, b_k, factor_words, self.a_len, token, score, chosen,
             slot_words, window_words, slow_words, candidates, k, first, ctx.past_len, ctx.scaling, self.lam,
             self.update_bases, self.fit_resident)
         self.slots.step += 1
@@ -504,7 +504,7 @@ class LRQKLayer(CacheLayer):
         q = self._factor_queries(query).reshape(b * f, -1, d)
         k = self._factor_keys(self._pending[0]).reshape(b * f, d)
         gpu = self._on_gpu_path(query)
-        compiled = lowrank_fused.available() and self.b_q.device.type == "cpu" and not gpu
+        compiled = numba_support.available() and self.b_q.device.type == "cpu" and not gpu
         self._step_factors = None
         if gpu and self._factor_kernel_runs():      # (reads a 16-bit model's query and key as float32 itself)
             from kvshrink.kernels.lrqk_factor import factor_step
@@ -524,8 +524,8 @@ class LRQKLayer(CacheLayer):
         b, f, d = self.a_k.shape[0], self.a_k.shape[1], q.shape[-1]
         if compiled and self.fit_resident and self.slots.keys.device.type == "cpu":
             # read again by this step's proxy scores; a scratch buffer, not a fresh allocation each layer and step
-            self._step_factors = fused.scratch("lrqk factors", tuple(self.a_k.shape)).copy_(self.a_k)
-            q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.resident_decode_step(
+            self._step_factors = numba_support.scratch("lrqk factors", tuple(self.a_k.shape)).copy_(self.a_k)
+            q_hat, k_hat, self.b_q, self.b_k = lrqk_factor.resident_decode_step(
                 q, k, self.b_q, self.b_k, self._step_factors.view(b * f, -1, self.rank), *self._residents(d),
                 self.copies, self.lam, self.update_bases)
         else:
@@ -534,7 +534,7 @@ class LRQKLayer(CacheLayer):
                 if lhs is None:
                     lhs, rhs = q.new_zeros(b * f, self.rank, self.rank), q.new_zeros(b * f, q.shape[1], self.rank)
                 # in place: the layer owns its bases (copies of a cache are deep copies)
-                q_hat, k_hat, self.b_q, self.b_k = lowrank_fused.decode_step(
+                q_hat, k_hat, self.b_q, self.b_k = lrqk_factor.decode_step(
                     q, k, self.b_q, self.b_k, lhs, rhs, self.lam, self.update_bases, in_place=True)
             else:
                 q_hat, k_hat = factor_vectors_from_sums(q, k, self.b_q, self.b_k, lhs, rhs, lam=self.lam,
@@ -623,9 +623,9 @@ class LRQKLayer(CacheLayer):
             a = (self.a_k if factors is None else factors)[:, :, :candidates].float()   # [B, F, n, r]
             logits = self._q_hat.float() @ a.transpose(-1, -2)                        # [B, F, G/c, n]
         k = min(self.top_k, candidates)
-        if self.fast and logits.device.type == "cpu" and lowrank_fused.available():
+        if self.fast and logits.device.type == "cpu" and numba_support.available():
             first = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
-            return lowrank_fused.proxy_top_k(logits.reshape(b * hkv * logits.shape[2] * f // hkv, candidates),
+            return lrqk_proxy.proxy_top_k(logits.reshape(b * hkv * logits.shape[2] * f // hkv, candidates),
                                              ctx.scaling, first, b * hkv, k)
         logits = logits * ctx.scaling
         if ctx.pad_len is not None:
@@ -702,7 +702,7 @@ class LRQKLayer(CacheLayer):
         parts.append(new.reshape(rows, 1, d))
         shape = (rows, sum(p.shape[1] for p in parts), d)
         device = self.slots.keys.device
-        out = fused.scratch(name, shape) if dtype == torch.float32 and device.type == "cpu" else \
+        out = numba_support.scratch(name, shape) if dtype == torch.float32 and device.type == "cpu" else \
             torch.empty(shape, dtype=dtype, device=device)
         start = 0
         for part in parts:
@@ -789,17 +789,17 @@ class LRQKLayer(CacheLayer):
         if not (self.fast and ctx.q_len == 1 and self.b_k is not None and self._k_hat is not None
                 and self.window and self.win_k is not None and self.win_k.shape[2] == self.window
                 and self.a_len < self.a_k.shape[2] and key.dtype == value.dtype == torch.float32
-                and key.device.type == "cpu" and lowrank_fused.available()):
+                and key.device.type == "cpu" and numba_support.available()):
             return False
         tensors = (self.win_k, self.win_v, self.a_k)
         if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
             return False
-        views = self.__dict__.setdefault("_views", fused.NumpyViews())   # (a copy has none: see __getstate__)
+        views = self.__dict__.setdefault("_views", numba_support.NumpyViews())   # (a copy has none: see __getstate__)
         words = tuple(views.get(name, t, half_words) for name, t in zip(("win_k", "win_v", "a_k"), tensors))
         rows, d, r = self.slots.rows, key.shape[-1], self.rank
         k_hat = self._k_hat if self._k_hat.dtype == torch.float64 else self._k_hat.double()
-        shift_in_narrowed(fused._numpy(key).reshape(rows, d), fused._numpy(value).reshape(rows, d),
-                          fused._numpy(k_hat).reshape(-1, r), words, self.a_len)
+        shift_in_narrowed(numba_support._numpy(key).reshape(rows, d), numba_support._numpy(value).reshape(rows, d),
+                          numba_support._numpy(k_hat).reshape(-1, r), words, self.a_len)
         self.a_len += 1
         if self.counters["decode_steps"] > 0:
             self.gram_q = self.gram_k = None      # as _append_factors: prefill is over
@@ -947,7 +947,7 @@ def top_k_in_token_order(mass: torch.Tensor, k: int, policy: str) -> tuple[torch
     takes follows this order, and their later evictions follow the slots, so every path orders it the same way.
 
     Of the values tied with the k-th, every path takes the latest tokens (``torch.topk`` leaves it to the
-    device's kernel, and two CPUs were seen to differ; `lowrank_fused.proxy_top_k` follows the same rule): the
+    device's kernel, and two CPUs were seen to differ; `lrqk_proxy.proxy_top_k` follows the same rule): the
     reference and the fast paths select the same tokens, and a real token whose proxy mass underflowed to zero is
     never passed over for left padding. The GPU path's proxy kernel writes `token_order_keys` instead: one
     ``torch.topk`` of them (`top_k_by_keys`) is the rule there, where these torch ops would cost ~14 launches a

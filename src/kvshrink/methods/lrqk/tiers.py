@@ -31,8 +31,8 @@ import torch
 from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
 from kvshrink.cache.store import check_fp16_peak, held_bytes, to_storage
 from kvshrink.kernels.deferred import FP16_MAX
-from kvshrink.codecs import fused
 from kvshrink.kernels.backend import triton_available
+from kvshrink.kernels.cpu import numba_support
 
 POLICIES = ("set", "lru", "attention")
 SLOW_TIERS = ("cpu", "disk")
@@ -73,7 +73,7 @@ class SlowTier:
         self._lock = threading.Lock()
         self._inflight = None    # CUDA event after an asynchronous append (GPU path), until the stream syncs
         self._staging: torch.Tensor | None = None   # pinned rows for the GPU path's fills (gather_to)
-        self._views = fused.NumpyViews()    # copy_rows_to's numpy words of the data
+        self._views = numba_support.NumpyViews()    # copy_rows_to's numpy words of the data
 
     # ---- storage ---------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> torch.Tensor:
@@ -161,7 +161,7 @@ class SlowTier:
         where it can (numba, host rows of 2- or 4-byte words, the destination of the same dtype or float16
         from float32, no per-row checks of a subclass); returns False, having copied nothing, elsewhere."""
         narrow = self.dtype == torch.float32 and slot_dtype == torch.float16
-        if not (fused.available() and (narrow or slot_dtype == self.dtype) and self.data.device.type == "cpu"
+        if not (numba_support.available() and (narrow or slot_dtype == self.dtype) and self.data.device.type == "cpu"
                 and self.data.element_size() in _SAME_SIZE_UINT and type(self)._check_rows is SlowTier._check_rows):
             return False
         with self._lock:
@@ -244,7 +244,7 @@ class SlowTier:
         self._lock = threading.Lock()
         self._inflight = None
         self._staging = None
-        self._views = fused.NumpyViews()
+        self._views = numba_support.NumpyViews()
 
     # ---- save / load (cache/record.py): the tokens held, [length, rows, 2, d] -------------------------------
     def to_record(self) -> Record:
@@ -442,7 +442,7 @@ class SlotTier:
         if k > self.capacity:
             raise ValueError(f"LRQK: {k} selected tokens do not fit {self.capacity} slots")
         selected = selected.to(self.token.device)
-        if fast and prefetched is None and fused.available() and self.token.device.type == "cpu":
+        if fast and prefetched is None and numba_support.available() and self.token.device.type == "cpu":
             return self._select_planned(selected, slow, mass)
         # Membership through dense per-row maps over the token ids (every id < slow.length): a
         # scatter and a gather instead of sorting, which dominated this step's cost.
@@ -511,7 +511,7 @@ class SlotTier:
     def _slot_words(self) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values ``[rows·capacity, d]`` as numpy unsigned words (no copy), kept while they are the same
         tensors (not saved: a copy or a loaded cache makes its own)."""
-        views = self.__dict__.setdefault("_views", fused.NumpyViews())
+        views = self.__dict__.setdefault("_views", numba_support.NumpyViews())
         return tuple(views.get(name, t, _slot_rows_words) for name, t in (("keys", self.keys), ("values", self.values)))
 
     def __getstate__(self) -> dict:
@@ -717,11 +717,11 @@ class SlotTier:
         return held_bytes([self.keys, self.values, self.token, self.score, self.chosen])
 
 
-if fused.available():
+if numba_support.available():
     from numba import njit
 
-    from kvshrink.codecs.fused import largest_word
-    from kvshrink.codecs.fused import narrow_row as _narrow_row
+    from kvshrink.kernels.cpu.half_words import largest_word
+    from kvshrink.kernels.cpu.half_words import narrow_row as _narrow_row
 
     @njit(cache=True)
     def _eviction_order(priority):  # pragma: no cover - compiled
@@ -918,7 +918,7 @@ def check_narrowed(largest: int) -> None:
 
 def warm_up_fill_planner() -> None:
     """Compile (or load from numba's cache) the fill planner now, on a tiny input."""
-    if fused.available():
+    if numba_support.available():
         _plan_fill(np.full((1, 2), -1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 1), np.int64),
                    np.zeros((1, 2), np.bool_), 1)
         for words, slot_words, narrow in ((np.uint32, np.uint16, True), (np.uint32, np.uint32, False),

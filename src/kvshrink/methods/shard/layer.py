@@ -1,59 +1,27 @@
-"""`ShardLayer`: one decoder layer's Shard cache (sinks, compressed middle blocks, decode stream,
-window), its blockwise attention over the codes and the compression of tokens leaving the window."""
+"""`ShardLayer`: one decoder layer's Shard cache (sinks, compressed middle blocks, decode stream, window): its
+state, its commit, and the choice of path for each part of a step's attention. The work is done by its bases:
+the encoding of tokens leaving the window (`encoding`), attention on the CPU fast path (`cpu_attention`), on the
+GPU path (`gpu_attention`) and in torch ops, the oracle (`reference`)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials, ungroup
+from kvshrink.cache.attention import Partial, exact_partial, group_queries, merge_partials
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
 from kvshrink.cache.record import Record, RecordReader, Schema
-from kvshrink.cache.store import ExactStore, check_fp16_peak, exact_storage_dtype, held_bytes, to_storage
-from kvshrink.codecs import fused
-from kvshrink.codecs.bit_allocation import allocate_bits, group_sizes, group_variances
-from kvshrink.codecs.bitpack import pack_bits, packed_size, unpack_bits
-from kvshrink.codecs.pca import PCACode, encode_pca, fit_pca
-from kvshrink.codecs.rope import apply_rope_paired, pair_order, undo_rope
-from kvshrink.codecs.table_decoder import RunLayout, SlotPlan, TableDecoder, run_layout, slot_plan
-from kvshrink.codecs.vq import assign_codes, fit_codebook
+from kvshrink.cache.store import ExactStore, exact_storage_dtype, held_bytes, to_storage
+from kvshrink.codecs.bitpack import packed_size
 from kvshrink.kernels import backend
+from kvshrink.kernels.cpu import encoders, step_parts, stream
+from kvshrink.methods.shard.cpu_attention import CpuAttention
+from kvshrink.methods.shard.encoding import ShardEncoding
+from kvshrink.methods.shard.gpu_attention import GpuAttention
+from kvshrink.methods.shard.reference import ReferenceAttention
 from kvshrink.methods.shard.ring import ExactRing
-from kvshrink.methods.shard.salient import observed_importance, pick_salient, salient_partials, tokens_to_keep
-from kvshrink.methods.shard.segments import (BasisFactors, BlockArrays, EvictedTokens, MiddleBlock, TurboSegment,
-                                             stack_scopes)
+from kvshrink.methods.shard.salient import salient_partials
+from kvshrink.methods.shard.segments import EvictedTokens, MiddleBlock, TurboSegment
 from kvshrink.methods.shard.shared import ShardShared
-
-# Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
-_MIN_QUERY_WEIGHT = 1e-2
-
-# Default PCA components per scope: one per this many bits of its key budget. Measured on the 8K perplexity
-# text (KL to full): fewer components at more bits each beat the squared-error-optimal allocation over all
-# of them at 1.5, 2 and 2.5 bits per element (docs/methods/shard.md), and the product that rebuilds
-# the keys shrinks with them.
-_BITS_PER_COMPONENT = 4
-
-# Tokens of one head whose values are rotated and coded at once (bounds compression's transient memory).
-_VALUE_ROWS = 2048
-
-# Score elements per block of middle tokens (bounds the transient memory of prefill-with-past).
-_SCORE_ELEMENTS = 1 << 22
-# Most grouped query rows (query heads per KV head x new tokens) the fused kernel takes: decoding, not
-# prefill-with-past, whose many rows the reference path blocks to bound memory.
-_FAST_ROWS = 64
-
-
-def _softmax_part(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(probabilities, log-sum-exp)`` of ``scores [..., n]`` over the last dim."""
-    lse = torch.logsumexp(scores, dim=-1)
-    # a row whose tokens are all masked (salient rows held exact) has lse -inf and contributes nothing
-    return torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1)), lse
-
-
-def kept_rows(x: torch.Tensor, rows: torch.Tensor | None, dim: int) -> torch.Tensor:
-    """``x`` itself, or its ``rows`` along ``dim`` (a block's tokens that were not evicted)."""
-    return x if rows is None else x.index_select(dim, rows)
 
 
 def _host_index(start: int, stop: int) -> torch.Tensor:
@@ -64,7 +32,7 @@ def _host_index(start: int, stop: int) -> torch.Tensor:
     return index
 
 
-class ShardLayer(CacheLayer):
+class ShardLayer(ShardEncoding, CpuAttention, GpuAttention, ReferenceAttention, CacheLayer):
     split_batch_rows = True  # PCA bases, bit allocation and scales fitted per row
     def __init__(self, spec: LayerSpec, shared: ShardShared):
         super().__init__(spec)
@@ -190,7 +158,7 @@ class ShardLayer(CacheLayer):
         return parts + self.code_partials(query, ctx)
 
     def code_partials(self, query: torch.Tensor, ctx: StepContext,
-                      into: fused.StepParts | None = None) -> list[Partial]:
+                      into: step_parts.StepParts | None = None) -> list[Partial]:
         """The partials of the compressed segments: each middle block's, then the stream's; with ``into`` (the CPU
         fast path's decode step) those the numba kernels compute are written there instead."""
         parts = []
@@ -200,9 +168,9 @@ class ShardLayer(CacheLayer):
             else:
                 parts.extend(self.middle_partials(block, query, ctx))
         if self.stream.n:
-            if into is not None and fused.turbo_supported(self.shared.turbo):
+            if into is not None and stream.turbo_supported(self.shared.turbo):
                 into.turbo(self.shared.turbo, *self.stream_arrays(),
-                           fused.centre_array(self.stream.centre, into.query.shape))
+                           stream.centre_array(self.stream.centre, into.query.shape))
             else:
                 parts.append(self.stream_partial(query, ctx.scaling))
         if self.layer_idx == self.info.num_layers - 1:
@@ -257,23 +225,6 @@ class ShardLayer(CacheLayer):
         self.ring_commit(ring, None if inside else (key, value))
         return out.transpose(1, 2).contiguous()
 
-    def fast_ring_attend(self, query: torch.Tensor, ctx: StepContext, ring: ExactRing,
-                         new: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """`ring_attend`'s attention on the CPU fast path: every part (the ring's tokens with the exact salient
-        ones and ``new``, the step's token when not in the ring; each block's 8-bit salient codes read in place;
-        the middle blocks; the stream) written by its numba kernel into one `fused.StepParts` and merged once."""
-        held = [block for block in self.middle if block.salient is not None]
-        grouped = group_queries(query.float(), self.h_kv)
-        parts = fused.StepParts(grouped, ctx.scaling, 2 + len(held) + len(self.blocks()))
-        exact = [block.salient.key_values(ring.dtype) for block in held if not block.salient.coded]
-        ring.attend_into(parts, exact, new, self.numpy_views())
-        for block in held:
-            if block.salient.coded:
-                parts.int8(*self.block_arrays(block).salient, ring.dtype)
-        for part in self.code_partials(query, ctx, parts):    # a stream the kernels do not read
-            parts.add(group_queries(part.out, self.h_kv), part.lse.reshape(grouped.shape[:3]))
-        return ungroup(parts.merged()[0], query.shape[1]).to(query.dtype)
-
     def decode_ring(self, key: torch.Tensor, ctx: StepContext) -> ExactRing:
         """The ring, packed from the sinks and window stores on the first decode step after anything else;
         one slot more than the window when the new token is attended from it (see `ring_attend`)."""
@@ -319,43 +270,6 @@ class ShardLayer(CacheLayer):
         centre = torch.stack([keys.float().mean(2), values.float().mean(2)])
         self.stream.centre = (torch.zeros_like(centre) if self.stream.n else centre).contiguous()
 
-    def ring_step_compiled(self, ring: ExactRing, key: torch.Tensor, value: torch.Tensor) -> bool:
-        """A decode step's commit to a full float16 ring in one numba pass (`fused.ring_step`: the oldest token
-        coded into the stream, the new one stored in its slot, checked for float16's range first); False, having
-        done nothing, off the CPU fast path or for other dtypes."""
-        turbo = self.shared.turbo
-        if not (ring.count == ring.slots == self.cfg.window > 0 and self.on_cpu_fast_path(key)
-                and ring.dtype == torch.float16 and key.dtype == value.dtype == torch.float32
-                and fused.turbo_supported(turbo) and ring.kv.is_contiguous()):
-            return False
-        b, h, _, _ = key.shape
-        buffer = self.stream.room(1, (b, h), packed_size(self.d, turbo.bits), key.device)
-        views = self.numpy_views()
-        codes, norm = views.get("stream", buffer, lambda x: fused.stream_words(x.codes, x.norm))
-        peak = fused.ring_step(turbo, views.get("ring", ring.kv, fused.ring_words), ring.n_sinks + ring.head, key,
-                               value, codes, norm, self.stream.n, self.stream.centre)
-        if peak is not None:
-            check_fp16_peak(peak)
-        self.stream.filled(ring.start, 1)
-        ring.head = (ring.head + 1) % ring.slots
-        ring.start += 1
-        return True
-
-    def numpy_views(self) -> fused.NumpyViews:
-        """Numpy views of the ring's and the stream's buffers for the CPU fast path's kernels, made again when a
-        buffer is replaced (never saved)."""
-        return self.__dict__.setdefault("_views", fused.NumpyViews())
-
-    def stream_arrays(self) -> tuple[tuple, tuple]:
-        """The stream's keys' and values' `fused.turbo_arrays` (its first ``n`` tokens): views of its buffer, kept
-        while the buffer lives, when it has one."""
-        n, buffer = self.stream.n, self.stream.buffer
-        if buffer is None:
-            return fused.turbo_arrays(self.stream.keys), fused.turbo_arrays(self.stream.values)
-        codes, norm = self.numpy_views().get("stream_arrays", buffer.codes,
-                                             lambda _: fused.turbo_arrays(buffer))
-        return (codes[0, ..., :n, :], norm[0, ..., :n]), (codes[1, ..., :n, :], norm[1, ..., :n])
-
     def stream_append(self, both: torch.Tensor, index: int) -> None:
         """TurboQuant codes of tokens ``index ..`` (keys and values ``[2, B, H_kv, n, d]``, encoded together:
         half the small ops of a decode step's commit) added to the stream; on the GPU path (Triton) and the
@@ -364,8 +278,8 @@ class ShardLayer(CacheLayer):
         encode_into = None
         if not turbo.qjl and self.use_triton_kernel(both):
             from kvshrink.kernels.shard_code_attention import turbo_encode_into as encode_into
-        elif self.on_cpu_fast_path(both) and fused.turbo_supported(turbo):
-            encode_into = fused.turbo_encode_into
+        elif self.on_cpu_fast_path(both) and stream.turbo_supported(turbo):
+            encode_into = encoders.turbo_encode_into
         if encode_into is not None:
             buffer = self.stream.room(n, tuple(both.shape[1:-2]), packed_size(self.d, turbo.bits), both.device)
             encode_into(turbo, both, buffer.codes, buffer.norm, self.stream.n, self.stream.centre)
@@ -397,64 +311,6 @@ class ShardLayer(CacheLayer):
         return exact_partial(query, torch.cat(keys, dim=2), torch.cat(values, dim=2), ctx.scaling,
                              key_index=torch.cat(index), pad_len=ctx.pad_len)
 
-    def key_decoder(self, block: MiddleBlock) -> TableDecoder:
-        """The decoder of ``block``'s key codes (lookup tables built once), giving each head's channels
-        in RoPE `pair_order` (a free permutation of the basis) so RoPE is one complex product."""
-        pairs = pair_order(self.d, device=block.v_codes.device)
-        columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
-        # the tables' bound (a float of the codes alone) is kept on the block: found once, not every step
-        decoder = TableDecoder(block.keys, columns=columns, table_dtype=torch.float16, bound=block.derived.table_bound)
-        block.derived.table_bound = decoder.bound
-        return decoder
-
-    def middle_keys(self, block: MiddleBlock, start: int, stop: int, ctx: StepContext,
-                    paired: bool = False, decoder: TableDecoder | None = None,
-                    rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Post-RoPE keys ``[B, H_kv, n, d]`` of block rows ``start:stop``, rebuilt from the codes;
-        ``paired=True`` returns each head's channels in RoPE pair order (score them against queries
-        in the same order), else in the model's order."""
-        pre = (decoder or self.key_decoder(block))(start, stop)     # [B, scopes, n, H*d/scopes]
-        if pre.shape[1] != self.h_kv:                                # one PCA over the layer
-            b, _, n, _ = pre.shape
-            pre = pre.reshape(b, n, self.h_kv, self.d).transpose(1, 2)
-        if block.kept is None:
-            phases = self.shared.phases(ctx, block.start + start, stop - start)
-        else:
-            rows = block.rows() if rows is None else rows
-            phases = self.shared.phases(ctx, block.start, block.covers, rows[start:stop])
-        keys = apply_rope_paired(pre, phases)
-        return keys if paired else keys[..., torch.argsort(pair_order(self.d, device=keys.device))]
-
-    def middle_values(self, block: MiddleBlock, probs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """``probs [B, H_kv, R, n] @ V[start:stop]`` ``[B, H_kv, R, d]`` from the VQ codes."""
-        k_entries, group = block.v_codebook.shape
-        n_groups = self.d // group
-        idx = unpack_bits(block.v_codes[:, :, start:stop], int(math.log2(k_entries)), n_groups)  # [B,H,n,G]
-        codebook = block.v_codebook.float()
-        b, h, r, n = probs.shape
-        if r * n_groups <= 2 * self.d:
-            # Code domain: sum the probabilities per codeword and group, then one small product.
-            flat = idx + torch.arange(n_groups, device=idx.device) * k_entries
-            flat = flat.reshape(b, h, 1, n * n_groups).expand(b, h, r, n * n_groups)
-            src = probs.unsqueeze(-1).expand(b, h, r, n, n_groups).reshape(b, h, r, n * n_groups)
-            bins = torch.zeros(b, h, r, n_groups * k_entries, device=probs.device, dtype=probs.dtype)
-            bins.scatter_add_(-1, flat, src)
-            return self.values_from_bins(block, bins)
-        values = codebook[idx].reshape(b, h, n, self.d)
-        return self.unscale_values(block, probs @ values)
-
-    def values_from_bins(self, block: MiddleBlock, bins: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[B, H_kv, R, d]`` from the probabilities summed per value group and codeword
-        ``bins [B, H_kv, R, groups * entries]``: one product with the codebook."""
-        k_entries = block.v_codebook.shape[0]
-        b, h, r, _ = bins.shape
-        rotated = bins.reshape(b, h, r, -1, k_entries) @ block.v_codebook.float()
-        return self.unscale_values(block, rotated.reshape(b, h, r, self.d))
-
-    def unscale_values(self, block: MiddleBlock, rotated: torch.Tensor) -> torch.Tensor:
-        """Rotated, scaled value sums ``[B, H_kv, R, d]`` -> in the model's value space."""
-        return self.shared.rotation.unrotate(rotated * block.v_scale.float()[None, :, None, :])
-
     def middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
         if self.use_triton_kernel(query):
             return [self.triton_middle_partial(block, query, ctx)]
@@ -462,159 +318,12 @@ class ShardLayer(CacheLayer):
             return [self.fused_middle_partial(block, query, ctx)]
         return self.reference_middle_partials(block, query, ctx)
 
-    def use_triton_kernel(self, query: torch.Tensor) -> bool:
-        """The GPU path (`kernels.backend.gpu_path`) takes the Triton kernels (middle blocks and the stream)
-        whatever ``kernel`` says, when Triton imports: the reference path syncs with the host (table
-        bounds) and ``kernel`` chooses between CPU implementations; the reference stays callable as the
-        oracle (`reference_middle_partials`)."""
-        return backend.gpu_path(query) and backend.triton_available()
-
-    def use_fast_kernel(self, query: torch.Tensor) -> bool:
-        rows = query.shape[1] // self.h_kv * query.shape[2]
-        return self.on_cpu_fast_path(query) and rows <= _FAST_ROWS
-
-    def on_cpu_fast_path(self, x: torch.Tensor) -> bool:
-        """Whether work on ``x`` takes the numba kernels: ``kernel="fast"``, a CPU tensor, the GPU path not forced."""
-        return self.shared.fast and x.device.type == "cpu" and not backend.gpu_path(x)
-
-    def fused_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
-        """The block's partial from `codecs.fused.code_attention`: its keys rebuilt a slice of tokens at
-        a time (coefficients from the codes, one batched product with the bases, RoPE, scores) and one
-        pass over its value codes (softmax probabilities summed per codeword), no whole key or value
-        block materialised; same result as the reference path within float32 rounding."""
-        parts = fused.StepParts(group_queries(query.float(), self.h_kv), ctx.scaling, 1)
-        self.fused_middle_into(block, ctx, parts)
-        return Partial.from_grouped(*parts.merged(), query.shape[1])
-
-    def fused_middle_into(self, block: MiddleBlock, ctx: StepContext, parts: fused.StepParts) -> None:
-        """`fused_middle_partial`, written into ``parts`` (its query grouped, in the model's channel order: RoPE
-        pairs as two halves)."""
-        factors, arrays = self.key_factors(block), self.block_arrays(block)
-        cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
-        rows = None if block.kept is None else fused.set_bit_positions(block.kept, block.span)
-        k_entries, group = block.v_codebook.shape
-        scaled = (factors.scaled_bases_t(block.keys) if arrays.bases is None else
-                  fused.scaled_bases(arrays.bases, factors.factor, factors.column))
-        parts.code(arrays.scopes, self.run_layout(block), scaled, factors.mean, cos_t, sin_t, arrays.hidden,
-                   arrays.v_codes, int(math.log2(k_entries)), self.d // group, rows, block.v_codebook, block.v_scale,
-                   self.shared.rotation.matrix(block.v_codes.device))
-
-    def block_arrays(self, block: MiddleBlock) -> BlockArrays:
-        """Numpy views of what the CPU fast path's kernels read of ``block`` (`BlockArrays`), made on first use
-        and kept on the block (`MiddleBlock.derived`): a few calls each per layer and step otherwise."""
-        derived = block.derived
-        if derived.arrays is None:
-            derived.arrays = BlockArrays.of(block)
-        return derived.arrays
-
-    def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
-        """The block's partial from the Triton kernels (`kernels.shard_code_attention.block_attention`): the
-        same result as `fused_middle_partial`, on any device, with no host synchronisation and nothing but
-        its three kernels launched once the block's `BlockInputs` are built (first use, kept on the block).
-        Query rows are taken in slices whose scores stay under ``_SCORE_ELEMENTS`` (prefill-with-past)."""
-        from kvshrink.kernels import shard_code_attention as sca
-
-        qg = group_queries(query, self.h_kv)        # the model's channel order: the kernel pairs them
-        inputs = self.block_inputs(block)
-        cos, sin = self.shared.pair_rope(ctx, block.start, block.covers, self.block_rows(block))
-        b, _, r, _ = qg.shape
-        step = max(1, min(r, _SCORE_ELEMENTS // max(1, b * self.h_kv * block.n)))
-        rotation = self.shared.rotation.matrix(qg.device, torch.float32)
-        parts = [sca.block_attention(inputs, cos, sin, qg[:, :, start:start + step], ctx.scaling, rotation)
-                 for start in range(0, r, step)]
-        out, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in zip(*parts))
-        return Partial.from_grouped(out, lse, query.shape[1])
-
-    def block_inputs(self, block: MiddleBlock):
-        """The block's `kernels.shard_code_attention.BlockInputs`, built on first use and kept on the block
-        (`MiddleBlock.derived`, counted in `breakdown`): its scopes' codes and int8 bases stacked in place
-        (`stack_scopes`: no second copy), the bit layout, the small basis factors, the held rows as bits,
-        the value codebook and scales in float32."""
-        from kvshrink.kernels import shard_code_attention as sca
-
-        derived = block.derived
-        if derived.gpu is None:
-            device = block.v_codes.device
-            codes, basis_q = stack_scopes(block.keys)
-            plan = sca.component_plan(self.slot_plan(block), max(code.rank for code in block.keys), device)
-            held = None if block.salient is None else sca.held_bits(block.salient.index, block.n)
-            k_entries, group = block.v_codebook.shape
-            derived.gpu = sca.BlockInputs(codes, plan, sca.stored_basis(block.keys, basis_q), held, block.v_codes,
-                                          int(math.log2(k_entries)), self.d // group, block.v_codebook.float(),
-                                          block.v_scale.float())
-        return derived.gpu
-
-    def block_rows(self, block: MiddleBlock) -> torch.Tensor | None:
-        """`MiddleBlock.rows`, kept on the block after the first call (found with a host sync once per
-        block, not per step; set when the block is made when it is made on the GPU path)."""
-        if block.kept is None:
-            return None
-        if block.derived.rows is None:
-            block.derived.rows = block.rows()
-        return block.derived.rows
-
-    def key_factors(self, block: MiddleBlock) -> BasisFactors:
-        """The block's `BasisFactors` (the fast path's per-scope factors), built on first use and kept on the
-        block (`MiddleBlock.derived`, counted in `breakdown`)."""
-        if block.derived.key_factors is None:
-            block.derived.key_factors = BasisFactors.of(block.keys)
-        return block.derived.key_factors
-
-    def run_layout(self, block: MiddleBlock) -> RunLayout:
-        """The block's `RunLayout` (its key codes' runs as integers, tens of bytes), built on first use and kept
-        on the block (`MiddleBlock.derived`): rebuilt after a block is copied or loaded."""
-        if block.derived.runs is None:
-            block.derived.runs = run_layout(block.keys)
-        return block.derived.runs
-
-    def slot_plan(self, block: MiddleBlock) -> SlotPlan:
-        """The block's `SlotPlan` in the decoded columns' order (RoPE pairs per head), from which the GPU
-        path's component plan is built once (not kept: `block_inputs` keeps what the kernels read)."""
-        pairs = pair_order(self.d, device=block.v_codes.device)
-        columns = torch.cat([h * self.d + pairs for h in range(self.h_kv // len(block.keys))])
-        return slot_plan(block.keys, columns=columns)
-
-    def reference_middle_partials(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> list[Partial]:
-        qg = group_queries(query.float(), self.h_kv)  # [B, H_kv, R, d]
-        qg = qg[..., pair_order(self.d, device=qg.device)]  # the keys come in RoPE pair order
-        b, _, r, _ = qg.shape
-        step = max(64, min(self.cfg.block_tokens, _SCORE_ELEMENTS // max(1, b * self.h_kv * r)))
-        parts = []
-        decoder = self.key_decoder(block)
-        hidden = None if block.salient is None else block.salient.hidden(block.n)
-        rows = block.rows()
-        for start in range(0, block.n, step):
-            stop = min(block.n, start + step)
-            keys = self.middle_keys(block, start, stop, ctx, paired=True, decoder=decoder, rows=rows)
-            scores = qg @ keys.transpose(-1, -2) * ctx.scaling
-            if hidden is not None:
-                scores.masked_fill_(hidden[..., start:stop], float("-inf"))
-            probs, lse = _softmax_part(scores)
-            out = self.middle_values(block, probs, start, stop)
-            parts.append(Partial.from_grouped(out, lse, query.shape[1]))
-        return parts
-
     def stream_partial(self, query: torch.Tensor, scaling: float) -> Partial:
-        turbo = self.shared.turbo
         if self.use_triton_kernel(query):
-            # the Triton kernels: scores and weighted sums straight from the codes, nothing decoded
-            from kvshrink.kernels.shard_code_attention import turbo_attention
-
-            out, lse = turbo_attention(turbo, group_queries(query, self.h_kv), self.stream.keys, self.stream.values,
-                                       scaling, self.stream.centre)
-            return Partial.from_grouped(out, lse, query.shape[1])
-        qg = group_queries(query.float(), self.h_kv)
-        if self.use_fast_kernel(query) and fused.turbo_supported(turbo):
-            out, lse = fused.turbo_attention(turbo, qg, self.stream.keys, self.stream.values, scaling,
-                                             self.stream.centre)
-            return Partial.from_grouped(out, lse, query.shape[1])
-        probs, lse = _softmax_part(turbo.inner_products(qg, self.stream.keys) * scaling)
-        out = turbo.weighted_sum(probs, self.stream.values)
-        if self.stream.centre is not None:   # the centres added back: q . centre to every score, to the output
-            key_centre, value_centre = self.stream.centre_of(0), self.stream.centre_of(1)
-            lse = lse + (qg @ key_centre.transpose(-1, -2)).squeeze(-1) * scaling
-            out = out + value_centre
-        return Partial.from_grouped(out, lse, query.shape[1])
+            return self.triton_stream_partial(query, scaling)
+        if self.use_fast_kernel(query) and stream.turbo_supported(self.shared.turbo):
+            return self.fused_stream_partial(query, scaling)
+        return self.reference_stream_partial(query, scaling)
 
     # ---- storing ---------------------------------------------------------------------------------------
     def commit(self, key: torch.Tensor, value: torch.Tensor, ctx: StepContext) -> None:
@@ -657,269 +366,6 @@ class ShardLayer(CacheLayer):
             turbo = self.shared.turbo
             self.stream.append(turbo.encode(k - self.stream.centre_of(0)), turbo.encode(v - self.stream.centre_of(1)),
                                start, overflow)
-
-    def key_bits_per_component(self, spectra: list[torch.Tensor], bits: float | None = None) -> list[list[int]]:
-        """Bits per component of each PCA scope: one DP over the groups of all scopes of the layer
-        under the layer's budget (``bits``, by default ``layer_key_bits``, times ``H_kv * d`` bits per token)."""
-        bits = self.shared.layer_key_bits[self.layer_idx] if bits is None else bits
-        dim = self.h_kv * self.d
-        scope_dim = dim // len(spectra)
-        group = self.cfg.pca_group or max(1, scope_dim // 16)
-        sizes = [group_sizes(v.shape[0], group) for v in spectra]
-        variances = [g for v, sz in zip(spectra, sizes) for g in group_variances(v, sz)]
-        flat_sizes = [s for sz in sizes for s in sz]
-        budget = int(round(bits * dim))
-        bits = iter(allocate_bits(variances, flat_sizes, budget, drop_penalty=self.cfg.drop_penalty,
-                                  levels=self.cfg.k_levels))
-        return [[b for s in sz for b in [next(bits)] * s] for sz in sizes]
-
-    def key_rank(self, width: int, bits: float | None = None) -> int:
-        """PCA components fitted per scope of ``width`` columns: ``rank``, or by default one per
-        `_BITS_PER_COMPONENT` bits of the scope's budget (``bits`` per element, by default the layer's: the bit
-        allocation then spreads the budget over them)."""
-        if self.cfg.rank:
-            return min(self.cfg.rank, width)
-        budget = (self.shared.layer_key_bits[self.layer_idx] if bits is None else bits) * width
-        return max(1, min(width, int(budget // _BITS_PER_COMPONENT)))
-
-    def query_pair_energy(self, query: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[H_kv, d]``: mean squared query of each KV head's group per RoPE pair (both channels of a
-        pair alike: RoPE only rotates within pairs, so this is position-free), over real tokens."""
-        qg = group_queries(query.float(), self.h_kv).pow(2)                      # [B, H_kv, G*q, d]
-        q = query.shape[2]
-        real = torch.ones(query.shape[0], q, device=qg.device)
-        if ctx.pad_len is not None:
-            real = (ctx.new_index[None, -q:] >= ctx.pad_len[:, None]).float().to(qg.device)
-        real = real.repeat(1, qg.shape[2] // q)[:, None, :, None]               # rows are (group, token)
-        energy = (qg * real).sum((0, 2)) / real.sum().clamp_min(1)
-        half = self.d // 2
-        pair = (energy[:, :half] + energy[:, half:]) / 2
-        return torch.cat([pair, pair], dim=-1)
-
-    def key_column_scale(self, width: int) -> torch.Tensor | None:
-        """Per scope column, what the pre-RoPE keys are divided by before PCA: ``1/sqrt(weight)``, so
-        the PCA and the bit allocation minimise the query-weighted error (fp16, as stored)."""
-        energy = self._query_energy
-        if self.cfg.key_weights != "query" or energy is None:
-            return None
-        weight = (energy / energy.mean().clamp_min(1e-30)).clamp_min(_MIN_QUERY_WEIGHT)
-        return weight.rsqrt().reshape(-1, width).to(torch.float16)             # [scopes, width]
-
-    def compress_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext
-                       ) -> tuple[list[MiddleBlock], EvictedTokens | None]:
-        """The chunk's middle tokens ``start ..`` coded as a block (two when ``cold`` splits off its least-read
-        tokens: see `hot_tokens`), and, when ``evict`` drops some, the dropped ones uncoded: the caller holds them until it knows whether the prompt ended with its question (see
-        `settle_unread`)."""
-        observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
-        importance = None
-        if observer is not None and (self.cfg.salient > 0 or self.cfg.evicts):
-            importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
-        keep = None
-        if importance is not None and self.cfg.evicts:
-            count = self.tokens_within_ratio(key.shape[2], key.shape[0]) if self.cfg.ratio > 0 else None
-            keep = tokens_to_keep(importance, self.cfg.evict, count)
-            dropped = int((~keep).sum())
-            # fewer than min_block tokens are not worth a block of their own (bases, scales): all stay
-            keep = keep if dropped >= self.cfg.min_block else None
-        hot = self.hot_tokens(importance, keep)
-        # One helper call per block, so each block's full-size temporaries are freed before the next starts
-        # (extra peak memory stays below one layer's prompt K+V; measured by a test).
-        if hot is None:
-            kept = [self.encode_block(key, value, start, ctx, keep, importance)]
-        else:
-            stored = key.shape[2] if keep is None else int(keep.sum())
-            kept = [self.encode_block(key, value, start, ctx, hot, importance, salient_of=stored),
-                    self.encode_block(key, value, start, ctx, ~hot if keep is None else keep & ~hot, None,
-                                      cold=True)]
-        if keep is None:
-            return kept, None
-        rows = (~keep).nonzero().squeeze(-1)
-        dtype = self._window.dtype  # the dtype they left the window in: narrowing back is exact
-        return kept, EvictedTokens(start, key.shape[2], rows, key.index_select(2, rows).to(dtype),
-                                   value.index_select(2, rows).to(dtype), ctx)
-
-    def hot_tokens(self, importance: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor | None:
-        """``[span]`` bool: the stored tokens coded at the full budget when ``cold`` splits a block (the least-read
-        ones, holding at most ``cold`` of every head's observed attention, go to a cold block); None when the
-        block stays whole (``cold`` off, no observation, or either part below ``min_block`` tokens)."""
-        if self.cfg.cold <= 0 or importance is None:
-            return None
-        stored = torch.ones(importance.shape[-1], dtype=torch.bool, device=importance.device) if keep is None \
-            else keep
-        rows = stored.nonzero().squeeze(-1)
-        hot = torch.zeros_like(stored)
-        hot[rows] = tokens_to_keep(importance.index_select(2, rows), self.cfg.cold)
-        cold = int(stored.sum()) - int(hot.sum())
-        if cold < self.cfg.min_block or int(hot.sum()) < self.cfg.min_block:
-            return None
-        return hot
-
-    def tokens_within_ratio(self, span: int, batch: int) -> int:
-        """How many of a new block's ``span`` middle tokens the layer can store and still hold ``ratio`` times
-        fewer bytes than an fp16 cache of every token it covers (the evicted ones go once the prompt proves
-        to end with its question). The block's bytes are estimated from the options: its codes and salient
-        rows per token, and its bases, codebook, scales, kept-token map and the decode's float32 basis factors
-        once; the cache's token ids (int64, kept to refuse another prompt) are charged to the layers alike."""
-        dim = self.h_kv * self.d
-        covered = self.seen  # every token so far, this block's included (evicted tokens are counted by fp16 too)
-        target = batch * covered * dim * 4 / self.cfg.ratio                 # fp16 K and V: 4 bytes a channel
-        target -= batch * covered * 8 / self.info.num_layers                # this layer's share of the token ids
-        parts = self.breakdown()  # the last prompt's evicted tokens are not the layer's to keep
-        held = sum(parts.values()) - parts["evicted"] - \
-            sum(held_bytes(t) for block in self.unread for t in block.parts().values())
-        width = dim if self.cfg.pca_scope == "layer" else self.d
-        rank, scopes = self.key_rank(width), dim // width
-        basis = width * rank + 2 * width + 2 * 2 * rank        # int8 basis, fp16 mean, fp16 scale and step
-        factors = 4 * (rank + 2 * width)                        # `BasisFactors`, float32
-        values = held_bytes([self.shared.v_codebook.half()]) + 2 * dim  # codebook, fp16 scales
-        fixed = scopes * (basis + factors) + values + math.ceil(span / 8)   # + the kept-token bitmask
-        per_vector = 4 + (2 * (self.d + 4) if self.cfg.salient_dtype == "int8"
-                          else 2 * self.d * self._sinks.dtype.itemsize)
-        per_token = batch * (dim * (self.shared.layer_key_bits[self.layer_idx] + self.cfg.v_bits_per_element) / 8
-                             + self.cfg.salient * self.h_kv * per_vector)
-        # Out of reach (a short prompt: its exact sinks and window alone take more; below two, `tokens_to_keep`
-        # keeps two) is not an error: `evict`'s guard then decides how many go, as with no target.
-        return int((target - held - fixed) // per_token)
-
-    def encode_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext,
-                     keep: torch.Tensor | None, importance: torch.Tensor | None, salient_of: int | None = None,
-                     cold: bool = False) -> MiddleBlock:
-        """A `MiddleBlock` of the tokens ``keep [span]`` marks (all when None), its salient rows the most
-        important of them when ``importance [B, H_kv, span]`` is given (``salient`` of ``salient_of`` tokens when
-        the block holds part of them: the hot part of a split); coded at the cold budget when ``cold``."""
-        span, rows = key.shape[2], None if keep is None else keep.nonzero().squeeze(-1)
-        bits = self.shared.layer_key_bits[self.layer_idx]
-        if cold:
-            bits *= self.cfg.cold_key_bits / self.cfg.key_bits
-        # The block's rows are selected one head at a time inside the encoders: a copy of the layer's kept
-        # K/V would double the compression's extra peak memory.
-        keys = self.encode_keys(key, self.shared.rope(ctx, start, span), rows, bits)
-        v_codes, codebook, scale = self.encode_values(value, rows, self.shared.cold_codebook if cold else None)
-        salient = None
-        if self.cfg.salient > 0 and importance is not None:
-            n = span if rows is None else rows.numel()
-            fraction = self.cfg.salient if salient_of is None else min(1.0, self.cfg.salient * salient_of / n)
-            salient = pick_salient(kept_rows(importance, rows, 2), key, value, fraction, self._sinks.dtype,
-                                   rows, held=self.cfg.salient_dtype)
-        n = span if rows is None else rows.numel()
-        kept = None if keep is None else pack_bits(keep.to(torch.uint8), 1)
-        block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook, v_scale=scale,
-                            salient=salient, kept=kept, span=span if kept is not None else 0)
-        if rows is not None and backend.gpu_path(key):
-            block.derived.rows = rows  # the decode steps' RoPE positions, without a sync on first use
-        return block
-
-    def encode_evicted(self, tokens: EvictedTokens) -> MiddleBlock:
-        """The held evicted tokens as a block of their own (their own PCA fit, no salient rows): the block
-        `encode_block` makes of them from the prompt's chunk, code for code."""
-        key, value = tokens.key.float(), tokens.value.float()
-        keys = self.encode_keys(key, self.shared.rope_of(tokens.ctx, tokens.rows + tokens.start))
-        v_codes, codebook, scale = self.encode_values(value)
-        kept = torch.zeros(tokens.span, dtype=torch.uint8, device=tokens.rows.device)
-        kept[tokens.rows] = 1
-        block = MiddleBlock(start=tokens.start, n=tokens.rows.numel(), keys=keys, v_codes=v_codes, v_codebook=codebook,
-                            v_scale=scale, kept=pack_bits(kept, 1), span=tokens.span)
-        if backend.gpu_path(key):
-            block.derived.rows = tokens.rows
-        return block
-
-    def encode_keys(self, key: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                    rows: torch.Tensor | None = None, bits: float | None = None) -> list[PCACode]:
-        """Post-RoPE keys ``[B, H_kv, span, d]`` with their RoPE ``(cos, sin) [B, span, d]`` -> one `PCACode` per
-        PCA scope of the pre-RoPE keys of all of them, or of the block rows ``rows`` only, at ``bits`` per key
-        element (the layer's budget by default)."""
-        bits = self.shared.layer_key_bits[self.layer_idx] if bits is None else bits
-        b, h, _, d = key.shape
-        n = key.shape[2] if rows is None else rows.numel()
-        cos, sin = rope
-        scopes = self.cfg.pca_scopes(h)
-        width = h * d // scopes
-        column_scale = self.key_column_scale(width)
-        scales = [None] * scopes if column_scale is None else list(column_scale)
-
-        def scope_rows(s: int) -> torch.Tensor:
-            """Pre-RoPE keys of scope ``s`` ``[B, n, width]``, divided by its column scale."""
-            x = kept_rows(undo_rope(key[:, s], cos, sin), rows, 1) if scopes == h else \
-                kept_rows(undo_rope(key, cos, sin), rows, 2).transpose(1, 2).reshape(b, n, h * d)
-            return x if scales[s] is None else x.div_(scales[s].float())
-
-        rank = self.key_rank(width, bits)
-        fits = [fit_pca(scope_rows(s).reshape(b * n, width), rank, seed=self.cfg.seed) for s in range(scopes)]
-        widths = self.key_bits_per_component([f.variances for f in fits], bits)
-        # RoPE is undone again rather than kept from the fits: one scope's keys are alive at a time
-        return [encode_pca(scope_rows(s), fits[s], widths[s], levels=self.cfg.k_levels, column_scale=scales[s])
-                for s in range(scopes)]
-
-    def encode_values(self, value: torch.Tensor, rows: torch.Tensor | None = None,
-                      codebook: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Values ``[B, H_kv, span, d]`` (all rows, or the block rows ``rows`` only) -> packed VQ indices,
-        the codebook (``codebook``'s group size, by default the shared `v_codebook`), per-(head, channel) scales.
-
-        One head and ``_VALUE_ROWS`` tokens at a time (the rotation is redone rather than kept), so a
-        layer's rotated values never exist at once; only ``v_fit="kmeans"`` rotates the whole layer to
-        sample from it."""
-        b, h, _, d = value.shape
-        n = value.shape[2] if rows is None else rows.numel()
-        codebook = (self.shared.v_codebook if codebook is None else codebook).to(value.device)
-        group = codebook.shape[1]
-        rotate = self.shared.rotation.rotate
-
-        def rotated(s: int):
-            """``(first row, rotated values [B, m, d])`` of head ``s``, block rows in chunks."""
-            for i in range(0, n, _VALUE_ROWS):
-                part = value[:, s, i:i + _VALUE_ROWS] if rows is None else \
-                    value[:, s].index_select(1, rows[i:i + _VALUE_ROWS])
-                yield i, rotate(part)
-
-        power = torch.stack([sum(x.pow(2).sum(dim=(0, 1)) for _, x in rotated(s)) for s in range(h)])
-        scale = (power / (b * n)).sqrt().clamp_min(1e-6).to(torch.float16)            # [H, d]
-        if self.cfg.v_fit == "kmeans":
-            groups = rotate(kept_rows(value, rows, 2)).div_(scale.float()[None, :, None, :]).reshape(-1, group)
-            codebook = fit_codebook(groups, self.cfg.v_codebook, iters=self.cfg.v_iters, sample=self.cfg.v_sample,
-                                    seed=self.cfg.seed + self.layer_idx, init=codebook)
-            del groups
-        codebook = codebook.to(torch.float16)
-        idx = torch.empty(b, h, n, d // group, dtype=torch.int32, device=value.device)
-        for s in range(h):
-            for i, x in rotated(s):
-                groups = x.div_(scale[s].float()).reshape(-1, group)
-                idx[:, s, i:i + x.shape[1]] = assign_codes(groups, codebook.float(), out_dtype=torch.int32
-                                                           ).reshape(b, x.shape[1], d // group)
-        return pack_bits(idx, int(math.log2(self.cfg.v_codebook))), codebook, scale
-
-    def dequantized(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every stored token rebuilt in float32: ``(keys, values [B, H_kv, n, d], index [n])``.
-
-        For tests and debugging only (attention never does this): exact attention over these
-        tensors is what `past_partials` computes blockwise from the packed store.
-        """
-        keys, values, index = [], [], []
-        device = ctx.offset.device
-        for run in (self.sinks,):
-            if len(run):
-                keys.append(run.keys.float()), values.append(run.values.float())
-                index.append(run.token_index())
-        for block in self.blocks():
-            k = self.middle_keys(block, 0, block.n, ctx)
-            b, h = block.v_codes.shape[:2]
-            eye = torch.eye(block.n, device=device).expand(b, h, block.n, block.n)
-            v = self.middle_values(block, eye, 0, block.n)
-            if block.salient is not None:
-                rows = block.salient.index.long().unsqueeze(-1).expand(-1, -1, -1, self.d)
-                held_k, held_v = block.salient.key_values(torch.float32)
-                k = k.scatter(2, rows, held_k)
-                v = v.scatter(2, rows, held_v)
-            keys.append(k), values.append(v)
-            index.append(block.token_index(device))
-        if self.stream.n:
-            centre = (0.0, 0.0) if self.stream.centre is None else (self.stream.centre_of(0), self.stream.centre_of(1))
-            keys.append(self.shared.turbo.decode(self.stream.keys) + centre[0])
-            values.append(self.shared.turbo.decode(self.stream.values) + centre[1])
-            index.append(self.stream.index(device))
-        if len(self.window):
-            keys.append(self.window.keys.float()), values.append(self.window.values.float())
-            index.append(self.window.token_index())
-        return torch.cat(keys, 2), torch.cat(values, 2), torch.cat(index)
 
     # ---- accounting -------------------------------------------------------------------------------------
     def breakdown(self) -> dict[str, int]:

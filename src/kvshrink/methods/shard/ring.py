@@ -8,8 +8,8 @@ import torch
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.store import ExactStore, check_storage
-from kvshrink.codecs import fused
 from kvshrink.kernels.backend import gpu_path, triton_available
+from kvshrink.kernels.cpu import exact_parts, numba_support, step_parts
 
 _WORDS = (torch.float16, torch.bfloat16)   # ring dtypes the CPU fast path reads as words
 
@@ -83,8 +83,8 @@ class ExactRing:
             return Partial(*exact_attention(query, keys, values, scaling, new=new))
         return exact_partial(query, keys, values, scaling) if keys.shape[2] else None
 
-    def attend_into(self, parts: fused.StepParts, extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
-                    new: tuple[torch.Tensor, torch.Tensor] | None = None, views: fused.NumpyViews | None = None
+    def attend_into(self, parts: step_parts.StepParts, extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
+                    new: tuple[torch.Tensor, torch.Tensor] | None = None, views: numba_support.NumpyViews | None = None
                     ) -> None:
         """`partial` on the CPU fast path, written into ``parts``; ``new`` (the step's own key and value, in any
         float dtype, not rounded to the ring's) attended in the same call (one partial and merge term fewer than
@@ -93,7 +93,7 @@ class ExactRing:
         live = self.n_sinks + self.count
         if views is not None and not extra and self.dtype in _WORDS and self.kv.is_contiguous() and self._live_first():
             if live or new is not None:
-                parts.ring(views.get("ring", self.kv, fused.ring_words), live, self.dtype, new)
+                parts.ring(views.get("ring", self.kv, exact_parts.ring_words), live, self.dtype, new)
             return
         keys, values = self._with(extra)
         if new is not None:     # float32 throughout: the ring's rows widened exactly, the new token unrounded

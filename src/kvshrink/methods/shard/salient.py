@@ -82,7 +82,7 @@ def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: fl
     all of (no padding, no future), read in ``dtype``. On the GPU path 8-bit codes are read in place by one
     kernel launch for up to 8 blocks, decoded in registers (no decoded copy in memory, and none of the ~14
     torch launches per block of decoding its keys and values); otherwise one exact partial per block over
-    `SalientTokens.key_values` (the CPU fast path reads 8-bit codes in place too: `fused.StepParts.int8`)."""
+    `SalientTokens.key_values` (the CPU fast path reads 8-bit codes in place too: `step_parts.StepParts.int8`)."""
     coded = [tokens for tokens in held if tokens.coded and gpu_path(query)]
     exact = [tokens for tokens in held if not (tokens.coded and gpu_path(query))]
     parts = []

@@ -12,10 +12,10 @@ import torch
 
 from kvshrink.cache.base import StepContext
 from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
-from kvshrink.codecs import fused
 from kvshrink.codecs.bitpack import unpack_bits
 from kvshrink.codecs.lloyd_max import TurboCode
 from kvshrink.codecs.pca import PCACode, stack_fields
+from kvshrink.kernels.cpu import exact_parts
 from kvshrink.methods.code_records import pca_code_record, read_pca_code, read_turbo_code, turbo_code_record
 from kvshrink.methods.shard.salient import SalientTokens
 
@@ -25,7 +25,7 @@ class BlockDerived:
     """What the decode paths derive from a block's fields and keep on it: each part built on first use,
     never saved (a copied or loaded block starts with an empty one), counted in the layer's `breakdown`."""
 
-    runs: Any = None          # `codecs.table_decoder.RunLayout`: the fused CPU kernel's run layout
+    runs: Any = None          # `kernels.cpu.block_attention.RunLayout`: the CPU kernel's run layout
     key_factors: Any = None   # the fused CPU kernel's small per-scope float32 factors (see `BasisFactors`)
     table_bound: float | None = None  # the reference decoder's table bound (a float of the codes alone)
     rows: torch.Tensor | None = None  # `MiddleBlock.rows` on the block's device (found with a sync, once)
@@ -83,7 +83,7 @@ class BasisFactors:
 
 class BlockArrays(NamedTuple):
     """Numpy views of a block's codes as the CPU fast path's kernels read them: the PCA scopes' key codes, the
-    value codes, the int32 rows held apart (or None), the 8-bit salient keys' and values' `fused.int8_arrays`
+    value codes, the int32 rows held apart (or None), the 8-bit salient keys' and values' `exact_parts.int8_arrays`
     (or None) and the scopes' int8 bases. Views share the block's memory: they hold no bytes of their own (`of`
     refuses non-contiguous key and value codes, which would be copied; the held rows are stored int32 and the
     salient codes contiguous; non-contiguous bases are left to the torch ops)."""
@@ -92,7 +92,7 @@ class BlockArrays(NamedTuple):
     v_codes: np.ndarray
     hidden: np.ndarray | None
     salient: tuple | None
-    bases: tuple | None      # the scopes' int8 bases (None unless every one is contiguous: `fused.scaled_bases`)
+    bases: tuple | None      # the scopes' int8 bases (None unless all are contiguous: `block_attention.scaled_bases`)
 
     @classmethod
     def of(cls, block: "MiddleBlock") -> "BlockArrays":
@@ -106,7 +106,7 @@ class BlockArrays(NamedTuple):
         bases = [code.basis_q for code in block.keys]
         return cls([view(code.codes) for code in block.keys], view(block.v_codes),
                    None if held is None else view(held.index),
-                   (fused.int8_arrays(held.keys), fused.int8_arrays(held.values)) if coded else None,
+                   (exact_parts.int8_arrays(held.keys), exact_parts.int8_arrays(held.values)) if coded else None,
                    tuple(view(b) for b in bases) if all(b.is_contiguous() and b.numel() for b in bases) else None)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from kvshrink.cache.base import StepContext
-from kvshrink.codecs import fused
 from kvshrink.codecs.hadamard import RandomRotation
 from kvshrink.codecs.lloyd_max import TurboQuantizer
 from kvshrink.codecs.bit_allocation import PCA_BITS
@@ -15,6 +14,7 @@ from kvshrink.codecs.scalar_levels import unit_levels
 from kvshrink.codecs.vq import gaussian_codebook
 from kvshrink.kernels.backend import gpu_path, triton_available
 from kvshrink.kernels.compile_notice import compiling
+from kvshrink.kernels.cpu import numba_support, vq_search, warm_up
 from kvshrink.methods.shard.config import ShardConfig
 
 
@@ -26,10 +26,10 @@ class ShardShared:
         self.cfg = cfg
         self.rotation = RandomRotation(head_dim, cfg.seed)
         self.turbo = TurboQuantizer(head_dim, cfg.stream_bits, qjl=cfg.qjl, seed=cfg.seed + 1)
-        self.v_codebook = gaussian_codebook(cfg.v_group, cfg.v_codebook, seed=cfg.seed)
+        self.v_codebook = gaussian_codebook(cfg.v_group, cfg.v_codebook, seed=cfg.seed, assign=vq_search.assign_codes)
         # the cold tokens' codebook (cold > 0): as many entries over more channels, fewer bits per value
-        self.cold_codebook = gaussian_codebook(cfg.cold_v_group, cfg.v_codebook, seed=cfg.seed) if cfg.cold > 0 \
-            else None
+        self.cold_codebook = gaussian_codebook(cfg.cold_v_group, cfg.v_codebook, seed=cfg.seed,
+                                               assign=vq_search.assign_codes) if cfg.cold > 0 else None
         self.layer_key_bits: list[float] = [cfg.key_bits] * num_layers
         # The key coefficient levels of every width the bit allocation may pick, computed now (once per
         # process) rather than inside the first prompt's prefill.
@@ -37,14 +37,14 @@ class ShardShared:
             unit_levels(bits, cfg.k_levels)
         self.num_layers = num_layers
         # Without numba the fast path is the torch ops (the same answers, slower), as LRQK's kernel option.
-        self.fast = cfg.kernel == "fast" and fused.available()
+        self.fast = cfg.kernel == "fast" and numba_support.available()
         if self.fast:
             with compiling("shard"):
-                fused.warm_up(cfg.pca_scopes(num_kv_heads))
+                warm_up.shard(cfg.pca_scopes(num_kv_heads))
             if cfg.v_fit == "gaussian":  # the codebook every block uses, as the blocks store it (float16)
-                fused.index_codebook(self.v_codebook.to(torch.float16))
+                vq_search.index_codebook(self.v_codebook.to(torch.float16))
                 if self.cold_codebook is not None:
-                    fused.index_codebook(self.cold_codebook.to(torch.float16))
+                    vq_search.index_codebook(self.cold_codebook.to(torch.float16))
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
 

@@ -9,9 +9,9 @@ arithmetic. ``resident_decode_step`` also makes the sums over the resident token
 ``(q·K)A``, the only parts that grow with the number of resident tokens) in the same call, reading the
 resident rows where they lie (slots chosen last step, the window) instead of gathering them first.
 
-numba is optional (``kvshrink[fast]``): ``available()`` says whether the kernel can run; callers keep
-the torch functions otherwise. The kernel runs on one thread (its work is too small to share) and is
-compiled once per machine (``cache=True``; ``warm_up`` loads it before anything is timed).
+Callers keep the torch functions where numba is missing (``numba_support.available()``). The kernel runs on one
+thread per factor head (its work is too small to share further) and is compiled once per machine (``cache=True``;
+``warm_up.lrqk`` loads it before anything is timed).
 """
 
 from __future__ import annotations
@@ -19,24 +19,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvshrink.codecs import fused
-
-__all__ = ["available", "decode_step", "proxy_top_k", "resident_decode_step", "warm_up"]
+from kvshrink.kernels.cpu import numba_support
+from kvshrink.kernels.cpu.numba_support import _FASTMATH, _numpy, _use_threads, scratch
 
 _RIDGE = 1e-9          # lowrank._ridge_solve's relative ridge
 _TINY = 1e-30
-# Reassociated sums (vectorised loops); no "nnan"/"ninf": the inputs may hold anything.
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
-def available() -> bool:
-    return fused.available()
-
-
-if fused.available():
+if numba_support.available():
     from numba import njit, prange
-
-    from kvshrink.codecs.fused import _softmax_rows
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _ridge_solve(lhs, rhs):  # pragma: no cover - compiled
@@ -268,88 +259,6 @@ if fused.available():
                                       n // copies)
             _head_step(n, q, k, b_q, b_k, lhs, rhs, lam, iters, update_bases, q_hat, k_hat)
 
-    @njit(cache=True)
-    def _ranked(mass):  # pragma: no cover - compiled
-        """``mass`` with NaN as +inf: the order ``_top_k`` ranks by (``torch.topk`` takes NaN as the largest)."""
-        a = mass.copy()
-        for i in range(a.shape[0]):
-            if a[i] != a[i]:
-                a[i] = np.inf
-        return a
-
-    @njit(cache=True)
-    def _kth_largest(a, k):  # pragma: no cover - compiled
-        """The ``k``-th largest value of ``a`` (no NaN; reordered in place): quickselect with a median-of-three
-        pivot (numba's ``np.partition`` takes about twice as long on a decode step's ~2K candidates)."""
-        lo, hi, want = 0, a.shape[0] - 1, a.shape[0] - k       # its index in ascending order
-        while lo < hi:
-            x, y, z = a[lo], a[(lo + hi) >> 1], a[hi]
-            pivot = max(min(x, y), min(max(x, y), z))
-            i, j = lo, hi
-            while i <= j:
-                while a[i] < pivot:
-                    i += 1
-                while a[j] > pivot:
-                    j -= 1
-                if i <= j:
-                    a[i], a[j] = a[j], a[i]
-                    i += 1
-                    j -= 1
-            if want <= j:
-                hi = j
-            elif want >= i:
-                lo = i
-            else:
-                break
-        return a[want]
-
-    @njit(cache=True)
-    def _top_k(mass, k, selected, top_mass):  # pragma: no cover - compiled
-        """The ``k`` largest of ``mass [n]`` (NaN ranked as +inf; of values tied with the k-th, the last ones, as
-        `lrqk.top_k_in_token_order` takes them): their indices into ``selected [k]`` in index order, their values
-        into ``top_mass [k]``."""
-        ranked = _ranked(mass)
-        kth = _kth_largest(ranked.copy(), k)
-        skip = -k                 # tied values passed over, the earliest: (above + tied) - k
-        for t in range(mass.shape[0]):
-            skip += ranked[t] >= kth
-        c = 0
-        for t in range(mass.shape[0]):
-            v = ranked[t]
-            if v == kth and skip > 0:
-                skip -= 1
-            elif v >= kth:
-                selected[c] = t
-                c += 1
-        for j in range(k):
-            top_mass[j] = mass[selected[j]]
-
-    @njit(fastmath=_FASTMATH, inline="always")
-    def _proxy_top_k_row(h, logits, scaling, first, rows_per_kv, k, selected, top_mass, mass):  # pragma: no cover
-        rows = logits[h * rows_per_kv: (h + 1) * rows_per_kv]
-        for i in range(rows_per_kv):
-            for t in range(rows.shape[1]):
-                rows[i, t] = rows[i, t] * scaling if t >= first[h] else -np.inf
-        _softmax_rows(rows, np.empty(rows_per_kv, np.float32))      # a row with every candidate hidden: zeros
-        mass[h] = 0.0
-        for i in range(rows_per_kv):
-            for t in range(rows.shape[1]):
-                mass[h, t] += rows[i, t]
-        _top_k(mass[h], k, selected[h], top_mass[h])
-
-    @njit(cache=True, fastmath=_FASTMATH)
-    def _proxy_top_k(logits, scaling, first, rows_per_kv, k, selected, top_mass, mass):  # pragma: no cover
-        """Per KV row ``h``: the softmax of its query rows' proxy logits ``logits [H·rows_per_kv, n]`` (scaled, the
-        candidates before ``first[h]`` hidden as padding; in place), summed over those rows into ``mass [H, n]``,
-        and its ``k`` largest (``_top_k``)."""
-        for h in range(mass.shape[0]):
-            _proxy_top_k_row(h, logits, scaling, first, rows_per_kv, k, selected, top_mass, mass)
-
-    @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-    def _proxy_top_k_parallel(logits, scaling, first, rows_per_kv, k, selected, top_mass, mass):  # pragma: no cover
-        """``_proxy_top_k`` with the KV rows shared among numba's threads (the same numbers)."""
-        for h in prange(mass.shape[0]):
-            _proxy_top_k_row(h, logits, scaling, first, rows_per_kv, k, selected, top_mass, mass)
 
 def decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor,
                 resident_lhs: torch.Tensor, resident_rhs: torch.Tensor, lam: float, update_bases: bool,
@@ -392,7 +301,7 @@ def resident_decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tens
     q_hat = np.empty((n, g, r))
     k_hat = np.empty((n, r))
     new_b_q, new_b_k = (b if _is_kernel_basis(b) else _basis_copy(b) for b in (b_q, b_k))
-    kernel = _resident_decode_step_parallel if fused._use_threads() else _resident_decode_step
+    kernel = _resident_decode_step_parallel if _use_threads() else _resident_decode_step
     kernel(_array(query), _array(key), new_b_q.numpy(), new_b_k.numpy(), _array(factors),
            slot_token.contiguous().numpy(), slot_chosen.contiguous().numpy(), _floats("lrqk slot keys", slot_keys),
            _floats("lrqk window keys", window_keys), int(window_start), int(copies), float(lam), int(iters), bool(update_bases), q_hat,
@@ -400,29 +309,6 @@ def resident_decode_step(query: torch.Tensor, key: torch.Tensor, b_q: torch.Tens
     if not update_bases:
         new_b_q, new_b_k = b_q, b_k
     return torch.from_numpy(q_hat), torch.from_numpy(k_hat), new_b_q, new_b_k
-
-
-def proxy_top_k(logits: torch.Tensor, scaling: float, first: torch.Tensor | None, kv_rows: int, k: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LRQK's selection from its proxy logits in one pass: ``logits [kv_rows·m, n]`` (float32, CPU; the ``m``
-    query rows of each KV row together, unscaled, overwritten) scaled, the candidates before ``first [kv_rows]``
-    hidden (left padding; None: none), softmaxed per row, summed per KV row into its estimated mass, and the
-    ``k`` largest taken. Returns ``(selected [kv_rows, k] int64, top_mass [kv_rows, k], mass [kv_rows, n])``: what
-    ``softmax``, ``sum`` and ``lrqk.top_k_in_token_order`` give, up to float rounding (the same tie rule); a NaN
-    logit gives its candidate no mass (torch's softmax would give the whole row NaN)."""
-    n = logits.shape[1]
-    starts = np.zeros(kv_rows, np.int64) if first is None else _numpy_long(first)
-    selected = np.empty((kv_rows, k), np.int64)
-    top_mass = np.empty((kv_rows, k), np.float32)
-    mass = np.empty((kv_rows, n), np.float32)
-    kernel = _proxy_top_k_parallel if fused._use_threads() else _proxy_top_k
-    kernel(fused._numpy(logits), np.float32(scaling), starts, logits.shape[0] // kv_rows, int(k), selected, top_mass,
-           mass)
-    return torch.from_numpy(selected), torch.from_numpy(top_mass), torch.from_numpy(mass)
-
-
-def _numpy_long(x: torch.Tensor) -> np.ndarray:
-    return x.detach().long().contiguous().numpy()
 
 
 def _is_kernel_basis(b: torch.Tensor) -> bool:
@@ -434,27 +320,12 @@ def _basis_copy(b: torch.Tensor) -> torch.Tensor:
 
 
 def _array(x: torch.Tensor) -> np.ndarray:
-    return fused._numpy(x if x.dtype == torch.float32 else x.float())
+    return _numpy(x if x.dtype == torch.float32 else x.float())
 
 
 def _floats(name: str, x: torch.Tensor) -> np.ndarray:
     """``x`` as float32 numpy: itself if it is, else converted into the scratch buffer ``name`` (a few hundred KB
     per layer and step: a fresh allocation of that size is mapped and faulted in page by page)."""
     if x.dtype == torch.float32:
-        return fused._numpy(x)
-    return fused.scratch(name, tuple(x.shape)).copy_(x).numpy()
-
-
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernels now, on a tiny input: the serial or the parallel variant,
-    whichever the current thread count runs (the other is compiled on first use if the count changes: each
-    variant costs tens of seconds to compile on a small CPU)."""
-    if not available():
-        return
-    fused.threading_layer_usable()
-    b = torch.eye(2, 4).unsqueeze(0)
-    decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b, b, torch.zeros(1, 2, 2), torch.zeros(1, 1, 2), 1.0, True)
-    proxy_top_k(torch.zeros(2, 3), 1.0, None, 1, 2)
-    resident_decode_step(torch.ones(1, 1, 4), torch.ones(1, 4), b.clone(), b.clone(), torch.ones(1, 3, 2),
-                         torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
-                         torch.ones(1, 1, 4), torch.ones(1, 1, 4), 1, 1, 1.0, True)
+        return _numpy(x)
+    return scratch(name, tuple(x.shape)).copy_(x).numpy()
