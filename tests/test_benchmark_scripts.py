@@ -1,17 +1,14 @@
 """The scripts behind published figures under benchmarks/, run end to end on the embedded model at a tiny
-setting: each writes records of the shape its results file holds (scripts/ are run by test_docs,
-test_gpu_path and test_store_load)."""
+setting (the session's model: conftest shares ``kvshrink.load_model``): each writes records of the shape its
+results file holds. scripts/ are run by test_docs, test_gpu_path and test_store_load."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
-
-import kvshrink
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.model
@@ -24,16 +21,7 @@ def load_script(relative: str):
     return module
 
 
-@pytest.fixture
-def embedded_model_once(real_model, monkeypatch):
-    """``kvshrink.load_model()`` answers the session's embedded model (a script loads its own otherwise)."""
-    def load(name_or_path=None, dtype="float32", **kwargs):
-        assert name_or_path is None and str(dtype).endswith("float32") and not kwargs
-        return real_model
-    monkeypatch.setattr(kvshrink, "load_model", load)
-
-
-def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, embedded_model_once, capsys):
+def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, capsys):
     """benchmarks/shard-ratio/kl_continuation.py: a short prefix, two specs; a second run reads ``full``'s
     distributions from the file the first one saved."""
     script = load_script("benchmarks/shard-ratio/kl_continuation.py")
@@ -61,7 +49,7 @@ def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, em
         script.main(["smol", "160"])
 
 
-def test_cold_start_measure_writes_its_phases(tmp_path, embedded_model_once, capsys):
+def test_cold_start_measure_writes_its_phases(tmp_path, capsys):
     """benchmarks/cold_start/measure.py in this process (its phases then time a warm start)."""
     script = load_script("benchmarks/cold_start/measure.py")
     out = tmp_path / "cold.jsonl"
