@@ -36,11 +36,13 @@ def load_model_once(name_or_path=None, dtype=torch.float32, device=None):
     return _LOADED[key]
 
 
-@pytest.fixture(autouse=True)
-def _one_load_per_model(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def _one_load_per_model():
     import kvshrink
 
-    monkeypatch.setattr(kvshrink, "load_model", load_model_once)
+    with pytest.MonkeyPatch.context() as patch:   # session-wide: module fixtures load models too
+        patch.setattr(kvshrink, "load_model", load_model_once)
+        yield
 
 
 @pytest.fixture(scope="session")
