@@ -17,7 +17,6 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
 NEW_TOKENS = 8
