@@ -20,13 +20,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.interpreter)
 
 
+_LOADED: dict = {}
+
+
+def load_model_once(name_or_path=None, dtype=torch.float32, device=None):
+    """``kvshrink.load_model``, each model, dtype and device loaded once per test session: a load reads its
+    GGUF file three times (tokenizer, config, weights) and takes 15-40 s on a 2-core machine. A cache leaves
+    the model's weights and outputs as they were, so the tests and the CLI commands they run share it."""
+    from kvshrink.models import load_model, model_dtype
+
+    key = (None if name_or_path is None else str(name_or_path), model_dtype(dtype),
+           None if device is None else str(device))
+    if key not in _LOADED:
+        _LOADED[key] = load_model(name_or_path, dtype=dtype, device=device)
+    return _LOADED[key]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_load_per_model():
+    import kvshrink
+
+    with pytest.MonkeyPatch.context() as patch:   # session-wide: module fixtures load models too
+        patch.setattr(kvshrink, "load_model", load_model_once)
+        yield
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """The embedded SmolLM2-135M-Instruct and its tokenizer (fp32, CPU)."""
-    import kvshrink
-
-    model, tokenizer = kvshrink.load_model()
-    return model, tokenizer
+    return load_model_once()
 
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_model
 from kvshrink.cli import main
 from kvshrink.models import load_model, model_dtype, usable_device
 
@@ -28,10 +29,15 @@ def test_bad_dtype_is_refused():
 
 
 @pytest.mark.model
-def test_eval_backend_loads_the_model_in_the_dtype_asked():
+def test_eval_backend_loads_the_model_in_the_dtype_asked(real_model, tmp_path):
     from kvshrink.eval.backend import KVShrinkBackend
 
     model, _ = KVShrinkBackend(None, "cpu", "bfloat16").load_model()
     assert next(model.parameters()).dtype == torch.bfloat16
-    model, _ = load_model(dtype="float16")
+    # a transformers folder (a tiny model with the embedded tokenizer) in float16: the same dtype argument,
+    # without reading the GGUF file a second time
+    folder = tmp_path / "tiny"
+    tiny_model().save_pretrained(folder)
+    real_model[1].save_pretrained(folder)
+    model, _ = load_model(folder, dtype="float16")
     assert next(model.parameters()).dtype == torch.float16

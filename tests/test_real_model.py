@@ -28,7 +28,7 @@ def test_full_matches_dynamic_cache_on_the_real_model(real_model):
 
     def run(cache):
         with torch.no_grad():
-            return model.generate(**enc, past_key_values=cache, max_new_tokens=64, min_new_tokens=64,
+            return model.generate(**enc, past_key_values=cache, max_new_tokens=32, min_new_tokens=32,
                                   do_sample=False, output_logits=True, return_dict_in_generate=True,
                                   pad_token_id=tok.pad_token_id)
 

@@ -40,8 +40,11 @@ def next_token_logprobs(model, prefix, continuation, cache):
     return torch.cat([first, rest], 1).float().log_softmax(-1)[0], ratio, parts
 
 
-def main():
-    model_path, length, out, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 4:
+        raise SystemExit(__doc__)
+    model_path, length, out, specs = argv[0], int(argv[1]), argv[2], argv[3:]
     dtype = os.environ.get("DTYPE", "float32")
     model, tok = kvshrink.load_model(None if model_path == "smol" else model_path, dtype=dtype)
     ids = tok(held_out_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]

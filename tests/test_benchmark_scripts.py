@@ -1,0 +1,65 @@
+"""The scripts behind published figures under benchmarks/, run end to end on the embedded model at a tiny
+setting (the session's model: conftest shares ``kvshrink.load_model``): each writes records of the shape its
+results file holds. scripts/ are run by test_docs, test_gpu_path and test_store_load."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.model
+
+
+def load_script(relative: str):
+    spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, capsys):
+    """benchmarks/shard-ratio/kl_continuation.py: a short prefix, two specs; a second run reads ``full``'s
+    distributions from the file the first one saved."""
+    script = load_script("benchmarks/shard-ratio/kl_continuation.py")
+    out = tmp_path / "kl.jsonl"
+    specs = ["shard:evict=0,sinks=4,window=16,min_block=32", "kivi:bits=2"]
+    script.main(["smol", "160", str(out), *specs])
+    refs = list(tmp_path.glob("ref-*.pt"))
+    assert [p.name for p in refs] == ["ref-smol-160-float32.pt"]
+    saved = refs[0].stat().st_mtime_ns
+    script.main(["smol", "160", str(out), specs[0]])
+    assert refs[0].stat().st_mtime_ns == saved                      # reused, not recomputed
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert printed == records and [r["spec"] for r in records] == specs + specs[:1]
+    for r in records:
+        assert set(r) == {"model", "dtype", "length", "spec", "ratio", "kl", "top1", "seconds", "share"}
+        assert (r["model"], r["dtype"], r["length"]) == ("smol", "float32", 160)
+        assert r["ratio"] > 1 and r["kl"] >= 0 and 0 <= r["top1"] <= 100
+        assert r["share"] and all(v >= 0 for v in r["share"].values())
+        assert sum(r["share"].values()) == pytest.approx(1, abs=0.01)
+    shard = records[0]
+    assert {"window", "sinks"} <= set(shard["share"]) and any(k.startswith("middle_k") for k in shard["share"])
+    assert records[2]["kl"] == pytest.approx(shard["kl"], abs=1e-5)  # the same spec, the same answer
+    with pytest.raises(SystemExit):                                  # a usage message, not a traceback
+        script.main(["smol", "160"])
+
+
+def test_cold_start_measure_writes_its_phases(tmp_path, capsys):
+    """benchmarks/cold_start/measure.py in this process (its phases then time a warm start)."""
+    script = load_script("benchmarks/cold_start/measure.py")
+    out = tmp_path / "cold.jsonl"
+    record = script.main(["shard:sinks=4,window=16", "--out", str(out)])
+    assert json.loads(out.read_text()) == record
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
+    assert record["method"] == "shard:sinks=4,window=16" and record["numba_cache"] in ("empty", "as found")
+    phases = [record[k] for k in ("import_load_s", "make_cache_s", "generate8_s")]
+    assert all(p >= 0 for p in phases) and record["total_s"] == pytest.approx(sum(phases), abs=0.2)
+    assert len(record["load_start"]) == len(record["load_end"]) == 3
+    assert record["code"] is None or len(record["code"]) >= 7
+    assert set(record) <= set(json.loads((ROOT / "benchmarks/cold_start/results.jsonl").read_text()
+                                         .splitlines()[0])) | {"method"}
