@@ -2,9 +2,10 @@
 
 The first time a kernel runs for a given device and signature (the dtypes and sizes that select its compiled
 variant), `trusted` runs it once on small random inputs beside the torch path and compares the two (a few
-milliseconds, one host synchronisation, never counted by ``counting``). When they disagree it warns once
-and answers False from then on: the caller takes the torch path for that kernel on that device, so a
-compiler or hardware the kernels were never run on gives slower answers, not wrong ones.
+milliseconds; never counted by ``counting``, and CUDA's sync debug mode off meanwhile: the torch path reads the
+device). When they disagree it warns once and answers False from then on: the caller takes the torch path for
+that kernel on that device, so a compiler or hardware the kernels were never run on gives slower answers, not
+wrong ones.
 
 What one verdict covers is the caller's choice. The exact-attention and merge kernels are checked one by one:
 each has a torch twin that takes the same inputs. A method whose step chains several kernels (Shard's middle
@@ -12,8 +13,8 @@ blocks and stream, LRQK's factor update, proxy ranking, slot plan and gathered a
 step: a fresh layer of the same options runs a short prefill and a few decode steps on small random tokens
 (`kvshrink.cache.probe`) once with its kernels and once on its torch path, and the outputs are compared. One
 kernel's inputs are built by another (a block's kernel inputs, the slot plan the attention reads), so the
-only fallback that needs no mixed state is the whole step's torch path; and the step exercises every kernel
-at the signatures the real layer compiles. A check may run other checks inside it (the step's exact
+only fallback that needs no mixed state is the whole step's torch path; and the step runs every kernel of the
+method at the real layer's dtype, head shapes and options. A check may run other checks inside it (the step's exact
 attention): the lock is re-entrant.
 """
 
