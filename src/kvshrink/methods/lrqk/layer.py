@@ -404,8 +404,8 @@ class LRQKLayer(CacheLayer):
         signature = self.__dict__.get("_kernel_signature")
         if signature is None:
             info = self.info
-            signature = self.__dict__["_kernel_signature"] = (
-                info.dtype, info.head_dim, info.num_kv_heads, info.num_q_heads, selfcheck.options_signature(self.options))
+            signature = self.__dict__["_kernel_signature"] = (info.dtype, info.head_dim, info.num_kv_heads,
+                                                              info.num_q_heads, selfcheck.options_signature(self.options))
         return selfcheck.trusted("lrqk_step", device, signature, lambda: self.compare_step(device))
 
     def compare_step(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -12,9 +12,9 @@ import torch
 
 from kvshrink.cache.attention import Partial, group_queries
 from kvshrink.cache.base import StepContext
+from kvshrink.cache.probe import random_steps
 from kvshrink.codecs.rope import pair_order
 from kvshrink.codecs.table_decoder import SlotPlan, slot_plan
-from kvshrink.cache.probe import random_steps
 from kvshrink.kernels import backend, selfcheck
 from kvshrink.methods.shard import reference
 from kvshrink.methods.shard.segments import MiddleBlock, stack_scopes
