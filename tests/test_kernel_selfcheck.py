@@ -1,5 +1,6 @@
 """The GPU path checks each Triton kernel against the torch path on first use, and takes the torch path for a
-kernel that disagrees (warning once). Run on CPU in Triton's interpreter, with a mismatch planted."""
+kernel that disagrees (warning once): the exact-attention and merge kernels one by one, Shard's and LRQK's
+kernels as one decode step each. Run on CPU in Triton's interpreter, with a mismatch planted."""
 
 from __future__ import annotations
 
@@ -104,5 +105,76 @@ def test_a_model_decodes_right_through_a_broken_kernel(monkeypatch, fresh_verdic
     _planted(monkeypatch, "exact_attention", 0.5)
     with force_gpu_path(), pytest.warns(RuntimeWarning, match="exact_attention"):
         seq, logits = greedy(model, ids, mask, kvshrink.make_cache("full", model), new_tokens=4)
+    assert torch.equal(seq, want_seq)
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+# ---- Shard's and LRQK's kernels: one check of the whole step per method ----------------------------------------
+METHOD_STEPS = {  # method: (kernel module, kernel planted, options of a tiny cache whose decode reads that kernel)
+    "shard": ("kvshrink.kernels.shard_code_attention", "block_attention",
+              dict(sinks=2, window=8, min_block=16, v_group=4, v_codebook=16)),
+    "lrqk": ("kvshrink.kernels.lrqk_proxy", "gathered_attention", dict(top_k=6, window=3, rank=8, iters=1)),
+}
+
+
+def _plant_in(monkeypatch, module: str, name: str, error: float) -> list[int]:
+    """Kernel ``module.name`` off by ``error`` in its output (its first result); returns its call log."""
+    import importlib
+
+    kernels_module = importlib.import_module(module)
+    real, calls = getattr(kernels_module, name), []
+
+    def off(*args, **kwargs):
+        calls.append(1)
+        out, *rest = real(*args, **kwargs)
+        return (out + error, *rest)
+
+    monkeypatch.setattr(kernels_module, name, off)
+    return calls
+
+
+def _decode(model, method: str, options: dict, forced: bool):
+    from conftest import greedy
+
+    import kvshrink
+
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with force_gpu_path(forced):
+        return greedy(model, ids, torch.ones_like(ids), kvshrink.make_cache(method, model, **options), new_tokens=3)
+
+
+@pytest.mark.parametrize("method", METHOD_STEPS)
+def test_a_method_step_whose_kernel_disagrees_warns_once_and_decodes_as_the_torch_path(method, monkeypatch,
+                                                                                       fresh_verdicts, tiny):
+    module, name, options = METHOD_STEPS[method]
+    model = tiny(head_dim=32)
+    want_seq, want_logits = _decode(model, method, options, forced=False)
+    calls = _plant_in(monkeypatch, module, name, 0.5)
+    with pytest.warns(RuntimeWarning, match=f"{method}_step .*torch path is used") as caught:
+        seq, logits = _decode(model, method, options, forced=True)
+    assert sum(f"{method}_step" in str(w.message) for w in caught) == 1         # once, not per layer or step
+    assert calls                                                               # the check ran the kernel
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again_seq, again_logits = _decode(model, method, options, forced=True)
+    assert not calls                                                           # never trusted afterwards
+    for got_seq, got_logits in ((seq, logits), (again_seq, again_logits)):
+        assert torch.equal(got_seq, want_seq)
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", METHOD_STEPS)
+def test_a_method_step_whose_kernels_agree_is_trusted_silently(method, monkeypatch, fresh_verdicts, tiny):
+    module, name, options = METHOD_STEPS[method]
+    model = tiny(head_dim=32)
+    want_seq, want_logits = _decode(model, method, options, forced=False)
+    calls = _plant_in(monkeypatch, module, name, 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _decode(model, method, options, forced=True)                           # the check, then the kernels
+        calls.clear()
+        seq, logits = _decode(model, method, options, forced=True)
+    assert calls                                                               # the decode took the kernels
     assert torch.equal(seq, want_seq)
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)

@@ -87,15 +87,22 @@ def kernel_launch(name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def uncounted() -> Iterator[None]:
-    """Run work that is not part of the step being counted (a kernel's one-time check on first use)."""
+    """Run work that is not part of the step being counted (a kernel's one-time check on first use): no launch or
+    synchronisation counted here, and CUDA's sync debug mode off meanwhile (a check's torch path reads the device;
+    under the "error" mode that would fail the check and leave the kernels untrusted for good)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     _active()
     _state.suppress += 1
+    debug_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
     try:
+        if debug_mode:
+            torch.cuda.set_sync_debug_mode(0)
         with _disable_current_modes():
             yield
     finally:
+        if debug_mode:
+            torch.cuda.set_sync_debug_mode(debug_mode)
         _state.suppress -= 1
 
 

@@ -2,13 +2,25 @@
 
 The first time a kernel runs for a given device and signature (the dtypes and sizes that select its compiled
 variant), `trusted` runs it once on small random inputs beside the torch path and compares the two (a few
-milliseconds, one host synchronisation, never counted by ``counting``). When they disagree it warns once
-and answers False from then on: the caller takes the torch path for that kernel on that device, so a
-compiler or hardware the kernels were never run on gives slower answers, not wrong ones.
+milliseconds; never counted by ``counting``, and CUDA's sync debug mode off meanwhile: the torch path reads the
+device). When they disagree it warns once and answers False from then on: the caller takes the torch path for
+that kernel on that device, so a compiler or hardware the kernels were never run on gives slower answers, not
+wrong ones.
+
+What one verdict covers is the caller's choice. The exact-attention and merge kernels are checked one by one:
+each has a torch twin that takes the same inputs. A method whose step chains several kernels (Shard's middle
+blocks and stream, LRQK's factor update, proxy ranking, slot plan and gathered attention) is checked as one
+step: a fresh layer of the same options runs a short prefill and a few decode steps on small random tokens
+(`kvshrink.cache.probe`) once with its kernels and once on its torch path, and the outputs are compared. One
+kernel's inputs are built by another (a block's kernel inputs, the slot plan the attention reads), so the
+only fallback that needs no mixed state is the whole step's torch path; and the step runs every kernel of the
+method at the real layer's dtype, head shapes and options. A check may run other checks inside it (the step's exact
+attention): the lock is re-entrant.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections.abc import Callable
@@ -17,10 +29,10 @@ import torch
 
 from kvshrink.kernels import counting
 
-__all__ = ["trusted", "forget"]
+__all__ = ["trusted", "options_signature", "forget"]
 
 _verdicts: dict[tuple, bool] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 def trusted(kernel: str, device: torch.device, signature: tuple,
@@ -50,6 +62,11 @@ def _agree(kernel: str, device: torch.device, signature: tuple,
     warnings.warn(f"kvshrink: the Triton kernel {kernel} on {device} for {signature} {failure}; the torch path "
                   "is used for it instead (slower, same answers)", RuntimeWarning, stacklevel=4)
     return False
+
+
+def options_signature(options) -> tuple:
+    """A method's options (a dataclass) as part of a signature: ``(name, value)`` pairs, hashable."""
+    return tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options))
 
 
 def forget() -> None:

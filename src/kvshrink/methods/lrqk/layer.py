@@ -28,7 +28,9 @@ window and the new token) and ``SlotTier.select_device`` (the slot bookkeeping i
 host synchronisation per layer is the miss transfer (which rows to fetch from the slow tier), which also
 carries the deferred float16 range checks. The slow tier's rows move through pinned buffers with
 non-blocking copies; with ``prefetch=True`` the next-ranked tokens ride on the same transfer.
-Oracle: ``tests/test_lrqk_triton.py``.
+Oracle: ``tests/test_lrqk_triton.py``. On each device the kernels are trusted once a fresh layer of the same
+options has decoded the same through them as through the torch path (``kvshrink.kernels.selfcheck``, one
+check of the whole step); until then, or where they disagree, the step keeps the torch path.
 
 When ``top_k`` covers every token older than the window the selection is all of them, so the output
 equals ``full`` (up to float rounding of the log-sum-exp merge).
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
+from kvshrink.cache.probe import random_steps
 from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import (
@@ -56,6 +59,7 @@ from kvshrink.cache.store import (
     storage_overflow_check,
     to_storage,
 )
+from kvshrink.kernels import selfcheck
 from kvshrink.kernels.backend import gpu_path, triton_available
 from kvshrink.kernels.compile_notice import compiling
 from kvshrink.kernels.cpu import lrqk_factor, lrqk_proxy, numba_support, warm_up
@@ -151,7 +155,7 @@ class LRQKLayer(CacheLayer):
     split_batch_rows = True  # the low-rank factors are fitted per row
     def __init__(self, spec: LayerSpec, options: LRQKOptions):
         super().__init__(spec)
-        o = options
+        o = self.options = options
         if o.rank is not None and o.rank > self.info.head_dim:
             raise ValueError(f"lrqk: rank must be in [1, head size {self.info.head_dim}], got {o.rank}")
         if o.slow_tier == "disk":
@@ -380,13 +384,45 @@ class LRQKLayer(CacheLayer):
         return zeros
 
     # ---- the GPU path ----------------------------------------------------------------------------
+    # set on the self-check's probe layers only: True runs the kernels unchecked, False takes the torch path
+    kernels_verdict: bool | None = None
+
     def _on_gpu_path(self, query: torch.Tensor) -> bool:
         """The fast decode step on the GPU path (CUDA tensors, or forced): Triton kernels, the slot
         bookkeeping in tensor ops, one host synchronisation (the miss transfer). A fast tier on another
-        device than the model's (``fast_device``) keeps the torch path."""
+        device than the model's (``fast_device``), or kernels that disagree with the torch path on this
+        device (`kernels_trusted`), keep the torch path."""
         if not (self.fast and gpu_path(query)):
             return False
-        return self.slots is None or self.slots.keys.device == query.device
+        return (self.slots is None or self.slots.keys.device == query.device) and self.kernels_trusted(query.device)
+
+    def kernels_trusted(self, device: torch.device) -> bool:
+        """Whether an LRQK decode step through the Triton kernels agrees with the torch path on ``device`` for
+        this layer's model dtype, head shapes and options (checked once per process, `kvshrink.kernels.selfcheck`)."""
+        if self.kernels_verdict is not None:
+            return self.kernels_verdict
+        signature = self.__dict__.get("_kernel_signature")
+        if signature is None:
+            info = self.info
+            signature = self.__dict__["_kernel_signature"] = (info.dtype, info.head_dim, info.num_kv_heads,
+                                                              info.num_q_heads, selfcheck.options_signature(self.options))
+        return selfcheck.trusted("lrqk_step", device, signature, lambda: self.compare_step(device))
+
+    def compare_step(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """A fresh layer of these options through a prompt of more tokens than the slots and window hold, then
+        three decode steps (selection, misses fetched, the factors and bases updated), once on the kernels and
+        once on the torch path."""
+        outs = []
+        for verdict in (True, False):
+            probe = type(self)(self.spec, self.options)
+            probe.kernels_verdict = verdict
+            try:
+                prefill = self.top_k + self.extra + self.window + 8
+                outs.append(random_steps(probe, prefill, 3, device, self.info.dtype))
+            finally:
+                probe.close()
+        # a broken kernel is off by the outputs' own size; rounding that ranks two close tokens apart, far less
+        return outs[0], outs[1], 1e-2 if self.info.dtype == torch.float32 else 5e-2
 
     def _gpu_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
                     candidates: int) -> torch.Tensor:

@@ -1,17 +1,21 @@
 """A Shard layer's attention on the GPU path (Triton, `kvshrink.kernels.shard_code_attention`): each middle block
-and the stream straight from their codes, with the inputs the kernels read built once per block."""
+and the stream straight from their codes, with the inputs the kernels read built once per block. The kernels are
+trusted on a device once a fresh layer of the same options has answered the same through them as through the
+torch path (`kvshrink.kernels.selfcheck`, one check of the whole step: see there why)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 
 from kvshrink.cache.attention import Partial, group_queries
 from kvshrink.cache.base import StepContext
+from kvshrink.cache.probe import random_steps
 from kvshrink.codecs.rope import pair_order
 from kvshrink.codecs.table_decoder import SlotPlan, slot_plan
-from kvshrink.kernels import backend
+from kvshrink.kernels import backend, selfcheck
 from kvshrink.methods.shard import reference
 from kvshrink.methods.shard.segments import MiddleBlock, stack_scopes
 
@@ -19,12 +23,38 @@ from kvshrink.methods.shard.segments import MiddleBlock, stack_scopes
 class GpuAttention:
     """`ShardLayer`'s GPU path: the Triton kernels' partials and their inputs, kept on the blocks."""
 
+    # set on the self-check's probe layers only: True runs the kernels unchecked, False takes the torch path
+    kernels_verdict: bool | None = None
+
     def use_triton_kernel(self, query: torch.Tensor) -> bool:
-        """The GPU path (`kernels.backend.gpu_path`) takes the Triton kernels (middle blocks and the stream)
-        whatever ``kernel`` says, when Triton imports: the reference path syncs with the host (table
-        bounds) and ``kernel`` chooses between CPU implementations; the reference stays callable as the
-        oracle (`reference_middle_partials`)."""
-        return backend.gpu_path(query) and backend.triton_available()
+        """The GPU path (`kernels.backend.gpu_path`) takes the Triton kernels (middle blocks, the stream and its
+        encoder) whatever ``kernel`` says, when Triton imports and they agree with the torch path on this device
+        (`kernels_trusted`): the reference path syncs with the host (table bounds) and ``kernel`` chooses between
+        CPU implementations; the reference stays callable as the oracle (`reference_middle_partials`)."""
+        return backend.gpu_path(query) and backend.triton_available() and self.kernels_trusted(query.device)
+
+    def kernels_trusted(self, device: torch.device) -> bool:
+        """Whether a Shard step through the Triton kernels agrees with the torch path on ``device`` for this
+        layer's model dtype, head shapes and options (checked once per process, `kvshrink.kernels.selfcheck`)."""
+        if self.kernels_verdict is not None:
+            return self.kernels_verdict
+        signature = self.__dict__.get("_kernel_signature")
+        if signature is None:
+            signature = self.__dict__["_kernel_signature"] = (
+                self.info.dtype, self.d, self.h_kv, self.info.num_q_heads, selfcheck.options_signature(self.cfg))
+        return selfcheck.trusted("shard_step", device, signature, lambda: self.compare_step(device))
+
+    def compare_step(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """A fresh layer of these options (its own copy of the shared codebooks and rotations) through a prompt
+        of sinks, one middle block and the window, then three decode steps (the stream encoded, then read),
+        once on the kernels and once on the torch path."""
+        cfg, outs = self.cfg, []
+        for verdict in (True, False):
+            probe = type(self)(self.spec, copy.deepcopy(self.shared))
+            probe.kernels_verdict = verdict
+            outs.append(random_steps(probe, cfg.sinks + cfg.min_block + cfg.window + 2, 3, device, self.info.dtype))
+        # a broken kernel is off by the outputs' own size; rounding that picks another code for one token, far less
+        return outs[0], outs[1], 1e-2 if self.info.dtype == torch.float32 else 5e-2
 
     def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
         """The block's partial from the Triton kernels (`kernels.shard_code_attention.block_attention`): the
