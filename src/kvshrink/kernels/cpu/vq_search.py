@@ -41,7 +41,7 @@ if numba_support.available():
     @njit(cache=True, fastmath=_FASTMATH - {"reassoc"})
     def _nearest_codewords(x, codebook_t, c_sq, out):  # pragma: no cover - compiled
         # x [N, g], codebook_t [g, k <= 256]: out[i] = argmin_j ||c_j||^2 - 2 x_i.c_j (the first of equal
-        # ones; a row holding NaN has the same NaN at every codeword and gets the first, as before)
+        # ones; a row holding NaN has the same NaN at every codeword and gets the first, as torch.argmin gives)
         n, g = x.shape
         k = codebook_t.shape[1]
         chunks = (n + 1023) // 1024
