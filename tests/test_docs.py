@@ -54,7 +54,7 @@ def test_every_table_marker_names_a_data_file_under_benchmarks():
 def test_every_figure_line_of_a_published_table_comes_from_data(tmp_path):
     """A table edited by hand (or data changed without redrawing) is found stale; a missing file says so."""
     data = {"model": "m", "date": "2026-01-01", "commit": "abc", "machine": {"cpu_model": "cpu", "cpu_count": 2},
-            "versions": {"torch": "x"}, "commands": ["kvshrink eval ppl"],
+            "versions": {"torch": "x"}, "commands": ["kvshrink eval ppl --threads 1", "kvshrink eval cost --threads 1"],
             "rows": [{"spec": "full", "task": "ppl", "length": 256, "kl": 0.0, "top1": 100.0, "ratio": 0.5},
                      {"spec": "streaming", "task": "ppl", "length": 256, "kl": 0.25, "top1": 80.0, "ratio": 4.0},
                      {"spec": "full", "task": "cost", "length": 256, "decode_ratio": 1.0, "prefill_ratio": 1.0},
@@ -68,6 +68,7 @@ def test_every_figure_line_of_a_published_table_comes_from_data(tmp_path):
     text = doc.read_text()
     assert "| `streaming` |" in text and "4.00x" in text and "0.250 (80.0)" in text and "2.00x" in text
     assert "Not measured yet" in text and "benchmarks/missing.json" in text
+    assert "cpu, 2 cores, 1 torch thread;" in text               # the run's settings, read from its commands
     assert stale_docs([str(doc)], str(tmp_path)) == []
     doc.write_text(text.replace("4.00x", "5.00x"))
     assert stale_docs([str(doc)], str(tmp_path)) == [str(doc)]

@@ -165,8 +165,22 @@ def provenance(data: dict, path: str) -> str:
     cpu = m.get("cpu_model") or m.get("processor") or "unknown CPU"
     cuda = ", ".join(m.get("cuda_devices", []))
     where = f"{cuda} ({cpu})" if cuda else f"{cpu}, {m.get('cpu_affinity', m.get('cpu_count'))} cores"
+    threads = _flag_values(data.get("commands", []), "--threads")
+    if threads and not cuda:
+        where += f", {'/'.join(threads)} torch thread{'s' if threads != ['1'] else ''}"
     return (f"{data['model']}, measured {data['date']} on `{data.get('commit') or 'unknown commit'}`, "
             f"{where}; torch {data.get('versions', {}).get('torch', '?')}. Data: [`{path}`]({path}).")
+
+
+def _flag_values(commands: list[str], flag: str) -> list[str]:
+    """The distinct values ``flag`` took in the run's command lines, in order."""
+    values: list[str] = []
+    for command in commands:
+        words = command.split()
+        for word, value in zip(words, words[1:]):
+            if word == flag and value not in values:
+                values.append(value)
+    return values
 
 
 TABLES = {"headline": headline_table, "detail": detail_table}
