@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from kvshrink.cache.attention import Partial, exact_partial
 from kvshrink.cache.base import CacheLayer, LayerSpec, StepContext
-from kvshrink.cache.probe import random_steps
+from kvshrink.cache.probe import step_trusted
 from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
 from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import (
@@ -59,7 +59,6 @@ from kvshrink.cache.store import (
     storage_overflow_check,
     to_storage,
 )
-from kvshrink.kernels import selfcheck
 from kvshrink.kernels.backend import gpu_path, triton_available
 from kvshrink.kernels.compile_notice import compiling
 from kvshrink.kernels.cpu import lrqk_factor, lrqk_proxy, numba_support, warm_up
@@ -397,32 +396,11 @@ class LRQKLayer(CacheLayer):
         return (self.slots is None or self.slots.keys.device == query.device) and self.kernels_trusted(query.device)
 
     def kernels_trusted(self, device: torch.device) -> bool:
-        """Whether an LRQK decode step through the Triton kernels agrees with the torch path on ``device`` for
-        this layer's model dtype, head shapes and options (checked once per process, `kvshrink.kernels.selfcheck`)."""
-        if self.kernels_verdict is not None:
-            return self.kernels_verdict
-        signature = self.__dict__.get("_kernel_signature")
-        if signature is None:
-            info = self.info
-            signature = self.__dict__["_kernel_signature"] = (info.dtype, info.head_dim, info.num_kv_heads,
-                                                              info.num_q_heads, selfcheck.options_signature(self.options))
-        return selfcheck.trusted("lrqk_step", device, signature, lambda: self.compare_step(device))
-
-    def compare_step(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """A fresh layer of these options through a prompt of more tokens than the slots and window hold, then
-        three decode steps (selection, misses fetched, the factors and bases updated), once on the kernels and
-        once on the torch path."""
-        outs = []
-        for verdict in (True, False):
-            probe = type(self)(self.spec, self.options)
-            probe.kernels_verdict = verdict
-            try:
-                prefill = self.top_k + self.extra + self.window + 8
-                outs.append(random_steps(probe, prefill, 3, device, self.info.dtype))
-            finally:
-                probe.close()
-        # a broken kernel is off by the outputs' own size; rounding that ranks two close tokens apart, far less
-        return outs[0], outs[1], 1e-2 if self.info.dtype == torch.float32 else 5e-2
+        """Whether an LRQK step through the Triton kernels agrees with the torch path on ``device``: a fresh layer
+        of these options through a prompt of more tokens than the slots and window hold, then three decode steps
+        (selection, misses fetched, the factors and bases updated), both ways (`cache.probe`)."""
+        return step_trusted(self, "lrqk_step", device, self.options, lambda: type(self)(self.spec, self.options),
+                            self.top_k + self.extra + self.window + 8)
 
     def _gpu_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StepContext,
                     candidates: int) -> torch.Tensor:

@@ -12,10 +12,10 @@ import torch
 
 from kvshrink.cache.attention import Partial, group_queries
 from kvshrink.cache.base import StepContext
-from kvshrink.cache.probe import random_steps
+from kvshrink.cache.probe import step_trusted
 from kvshrink.codecs.rope import pair_order
 from kvshrink.codecs.table_decoder import SlotPlan, slot_plan
-from kvshrink.kernels import backend, selfcheck
+from kvshrink.kernels import backend
 from kvshrink.methods.shard import reference
 from kvshrink.methods.shard.segments import MiddleBlock, stack_scopes
 
@@ -34,27 +34,12 @@ class GpuAttention:
         return backend.gpu_path(query) and backend.triton_available() and self.kernels_trusted(query.device)
 
     def kernels_trusted(self, device: torch.device) -> bool:
-        """Whether a Shard step through the Triton kernels agrees with the torch path on ``device`` for this
-        layer's model dtype, head shapes and options (checked once per process, `kvshrink.kernels.selfcheck`)."""
-        if self.kernels_verdict is not None:
-            return self.kernels_verdict
-        signature = self.__dict__.get("_kernel_signature")
-        if signature is None:
-            signature = self.__dict__["_kernel_signature"] = (
-                self.info.dtype, self.d, self.h_kv, self.info.num_q_heads, selfcheck.options_signature(self.cfg))
-        return selfcheck.trusted("shard_step", device, signature, lambda: self.compare_step(device))
-
-    def compare_step(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """A fresh layer of these options (its own copy of the shared codebooks and rotations) through a prompt
-        of sinks, one middle block and the window, then three decode steps (the stream encoded, then read),
-        once on the kernels and once on the torch path."""
-        cfg, outs = self.cfg, []
-        for verdict in (True, False):
-            probe = type(self)(self.spec, copy.deepcopy(self.shared))
-            probe.kernels_verdict = verdict
-            outs.append(random_steps(probe, cfg.sinks + cfg.min_block + cfg.window + 2, 3, device, self.info.dtype))
-        # a broken kernel is off by the outputs' own size; rounding that picks another code for one token, far less
-        return outs[0], outs[1], 1e-2 if self.info.dtype == torch.float32 else 5e-2
+        """Whether a Shard step through the Triton kernels agrees with the torch path on ``device``: a fresh layer
+        of these options (its own copy of the shared codebooks and rotations) through sinks, one middle block and
+        the window, then three decode steps (the stream encoded, then read), both ways (`cache.probe`)."""
+        cfg = self.cfg
+        return step_trusted(self, "shard_step", device, cfg, lambda: type(self)(self.spec, copy.deepcopy(self.shared)),
+                            cfg.sinks + cfg.min_block + cfg.window + 2)
 
     def triton_middle_partial(self, block: MiddleBlock, query: torch.Tensor, ctx: StepContext) -> Partial:
         """The block's partial from the Triton kernels (`kernels.shard_code_attention.block_attention`): the
