@@ -100,6 +100,13 @@ def test_lloyd_max_matches_published_values():
     assert c8.shape == (256,) and torch.all(c8[1:] > c8[:-1])
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_stored_lloyd_max_levels_are_the_solvers(bits):
+    from kvshrink.codecs.lloyd_max import solve_unit_gaussian
+
+    assert lloyd_max_centroids(bits, dtype=torch.float64).tolist() == list(solve_unit_gaussian(bits))
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_turboquant_mse_within_bound(bits):
     d = 64

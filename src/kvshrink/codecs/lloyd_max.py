@@ -3,7 +3,7 @@
 Lloyd-Max for ``N(0, sigma^2)``: start from quantile centroids, then alternate boundaries = midpoints
 of adjacent centroids and centroid = conditional mean of the interval, which for a Gaussian is closed
 form: ``E[X | a < X < b] = sigma * (phi(a/s) - phi(b/s)) / (Phi(b/s) - Phi(a/s))``. Computed once per
-bit width (float64, vectorised), cached, scaled by ``sigma``.
+bit width (float64, vectorised), stored in gaussian_levels.py, scaled by ``sigma``.
 
 TurboQuant (Zandieh et al., arXiv:2504.19874), data-oblivious: for a vector ``x`` store its norm
 (fp16); rotate the unit vector by a seeded randomized Hadamard; each coordinate then follows about
@@ -16,12 +16,12 @@ coordinate in all); the paper's ``Q_prod`` instead spends ``bits - 1`` on the co
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from .gaussian_levels import UNIT_GAUSSIAN_LEVELS
 from .bitpack import byte_codes, lookup_packed, pack_bits, unpack_bits
 from .hadamard import RandomRotation
 
@@ -30,8 +30,12 @@ __all__ = ["lloyd_max_centroids", "lloyd_max_boundaries", "TurboCode", "TurboQua
 TURBO_BITS = (1, 2, 3, 4, 8)
 
 
-@functools.lru_cache(maxsize=None)
 def _unit_gaussian_centroids(bits: int) -> tuple[float, ...]:
+    return UNIT_GAUSSIAN_LEVELS[bits]    # solve_unit_gaussian(bits), stored: seconds to solve for 6 and 8 bits
+
+
+def solve_unit_gaussian(bits: int) -> tuple[float, ...]:
+    """The ``2**bits`` Lloyd-Max levels of a unit Gaussian, iterated to convergence (float64)."""
     n = 1 << bits
     normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     c = normal.icdf((torch.arange(n, dtype=torch.float64) + 0.5) / n)
