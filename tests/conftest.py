@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The tests check the numba kernels: they compile before a cache's first step, not in a background process
+# while the torch path serves (test_first_use tests that).
+os.environ["KVSHRINK_COMPILE"] = "wait"
 
 # Test files that run the GPU path's Triton kernels in Triton's interpreter on CPU: marked `interpreter`
 # (`make test-compat` leaves them out: they test kvshrink's kernels, not the transformers integration).

@@ -172,7 +172,8 @@ def _numba_kernels() -> list[str]:
 
     import kvshrink.kernels.cpu
 
-    plain = {"available", "unavailable_reason", "turbo_supported", "assign_codes", "quantize_unit"}
+    plain = {"available", "installed", "unavailable_reason", "hold_kernels", "turbo_supported", "assign_codes",
+             "quantize_unit", "prepare", "wait_for_kernels", "compiling_in_background", "finish_background"}
     modules = [importlib.import_module(f"kvshrink.kernels.cpu.{m.name}")
                for m in pkgutil.iter_modules(kvshrink.kernels.cpu.__path__)]
     return [(module, name) for module in modules for name, obj in vars(module).items()

@@ -49,7 +49,7 @@ _NO_ROWS = np.zeros(0, np.int64)
 _NO_COLUMN = np.zeros((0, 0, 1), np.float32)
 
 
-if numba_support.available():
+if numba_support.installed():
     import numba
     from numba import njit
 

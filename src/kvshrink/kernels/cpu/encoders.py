@@ -13,7 +13,7 @@ from kvshrink.kernels.cpu.half_words import (_F32_FP16_OVERFLOW, _F32_INF, _HALF
 from kvshrink.kernels.cpu.numba_support import _FASTMATH, _numpy
 from kvshrink.kernels.cpu.stream import stream_words, turbo_tables
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit
 
     @njit(cache=True)

@@ -15,7 +15,7 @@ _SPLIT = {torch.float16: 2.0 ** 13 + 1, torch.bfloat16: 2.0 ** 16 + 1}
 _NO_TOKENS = np.zeros((1, 1, 0, 1), np.float32)
 
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit
 
     @njit(inline="always")

@@ -34,7 +34,7 @@ _F32_FP16_OVERFLOW = int(np.array(65504.0, dtype=np.float32).view(np.uint32)) + 
 _HALF_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], np.float32)
 
 
-if numba_support.available():
+if numba_support.installed():
     import numba
     from llvmlite import ir as llvm_ir
     from numba import njit

@@ -36,7 +36,7 @@ def byte_levels(kind: str, widths: tuple[int, ...]) -> np.ndarray:
     return table
 
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit
 
     @njit(cache=True)

@@ -26,7 +26,7 @@ _RIDGE = 1e-9          # lowrank._ridge_solve's relative ridge
 _TINY = 1e-30
 
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit, prange
 
     @njit(cache=True, fastmath=_FASTMATH)

@@ -10,7 +10,7 @@ from kvshrink.kernels.cpu import numba_support
 from kvshrink.kernels.cpu.numba_support import _FASTMATH, _numpy, _use_threads
 from kvshrink.kernels.cpu.softmax import _softmax_rows
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit, prange
 
     @njit(cache=True)

@@ -2,8 +2,9 @@
 serial and parallel variants (numba's threading layer and thread count), each thread's scratch buffers, numpy
 views of tensors, and a prefetch hint.
 
-numba is optional (``kvshrink[fast]``): `available()` says whether it imported; callers keep their torch reference
-path and use it when it did not. The kernels are compiled once per machine (``cache=True``; `warm_up` compiles them
+numba is optional (``kvshrink[fast]``): `installed()` says whether it imported, `available()` whether callers run the
+kernels now (not while `first_use` compiles them in the background); callers keep their torch reference path and
+use it when they do not. The kernels are compiled once per machine (``cache=True``; `warm_up` compiles them
 before anything is timed). numba's cache checks only the file that defines a kernel: after editing a helper that
 kernels in other files inline (this file, `half_words`, `softmax`), delete the ``__pycache__`` folders of
 ``kernels/cpu`` so that they are compiled again.
@@ -32,8 +33,31 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
-def available() -> bool:
+_held = None   # while set, a callable that says whether the kernels are still to be left alone (`first_use`)
+
+
+def installed() -> bool:
+    """Whether numba imported: the kernels are defined (module-level ``if installed():``)."""
     return numba is not None
+
+
+def available() -> bool:
+    """Whether callers run the kernels now: numba imported, and no background compilation of them is under
+    way in this process (`first_use`: until it ends, a call would compile the kernel here, in the foreground)."""
+    global _held
+    if numba is None:
+        return False
+    if _held is not None:
+        if _held():
+            return False
+        _held = None
+    return True
+
+
+def hold_kernels(still_held) -> None:
+    """``still_held()`` (polled by `available`) says whether to leave the kernels alone; None releases them."""
+    global _held
+    _held = still_held
 
 
 def unavailable_reason() -> str | None:

@@ -8,7 +8,7 @@ import numpy as np
 from kvshrink.kernels.cpu import numba_support
 from kvshrink.kernels.cpu.numba_support import _FASTMATH
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit
 
     @njit(cache=True, fastmath=_FASTMATH)

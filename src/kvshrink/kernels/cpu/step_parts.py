@@ -14,7 +14,7 @@ from kvshrink.kernels.cpu.numba_support import _FASTMATH, _numpy, scratch
 from kvshrink.kernels.cpu.softmax import empty_partial
 from kvshrink.kernels.cpu.stream import _turbo_into, centre_array
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit
 
     @njit(cache=True, fastmath=_FASTMATH)

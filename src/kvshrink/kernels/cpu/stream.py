@@ -16,7 +16,7 @@ from kvshrink.kernels.cpu.softmax import empty_partial
 _TURBO_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit
 
     @njit(cache=True, fastmath=_FASTMATH)

@@ -20,7 +20,7 @@ _CELL_STEP = -2 * _CELL_LOW / _CELLS_PER_DIM
 _CELLS: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit
 
     @njit(inline="always", fastmath=_FASTMATH - {"reassoc"})

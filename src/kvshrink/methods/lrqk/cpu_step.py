@@ -38,7 +38,7 @@ __all__ = ["decode_step", "warm_up"]
 # of a row's slots, window and factors, ~450 KB at 2K, cost ~1.2 ms per 2K decode step in a model, measured)
 TILE_WORDS = 4096
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit, prange
 
     from kvshrink.kernels.cpu.half_words import _HALF_POW2, _widen_rows, narrow_row

@@ -60,8 +60,7 @@ from kvshrink.cache.store import (
     to_storage,
 )
 from kvshrink.kernels.backend import gpu_path, triton_available
-from kvshrink.kernels.compile_notice import compiling
-from kvshrink.kernels.cpu import lrqk_factor, lrqk_proxy, numba_support, warm_up
+from kvshrink.kernels.cpu import first_use, lrqk_factor, lrqk_proxy, numba_support, warm_up
 from kvshrink.codecs.lowrank import (
     decode_factor_vectors,
     default_rank,
@@ -178,11 +177,9 @@ class LRQKLayer(CacheLayer):
         self.seed = o.seed + 1000 * self.layer_idx
         self.measure_recall = o.measure_recall
         self.fast = o.kernel == "fast"
-        if self.fast:
-            with compiling("lrqk"):  # compile or load the kernels now, not in the first timed decode step
-                warm_up.lrqk()
-                warm_up_fill_planner()
-                cpu_step.warm_up()
+        # the numba kernels, loaded now rather than in the first timed decode step; while they compile in the
+        # background on a machine's first use, this cache's CPU steps are the torch ops for its whole life
+        self.compiled = self.fast and first_use.prepare("lrqk", f"{__name__}:warm_up_kernels")
         self._pool: ThreadPoolExecutor | None = None
         self.clear()
 
@@ -327,7 +324,7 @@ class LRQKLayer(CacheLayer):
 
     def _make_compiled_layout(self) -> tuple | None:
         s = self.slots
-        if not (self.fast and numba_support.available() and self.policy == "set" and not self.prefetch_on
+        if not (self.compiled and self.policy == "set" and not self.prefetch_on
                 and not self.exact_selection and not self.measure_recall and self.copies == 1 and self.window
                 and self.win_k is not None and self.win_k.shape[2] == self.window and self.b_k is not None
                 and self.slow.dtype == torch.float32):
@@ -518,7 +515,7 @@ class LRQKLayer(CacheLayer):
         q = self._factor_queries(query).reshape(b * f, -1, d)
         k = self._factor_keys(self._pending[0]).reshape(b * f, d)
         gpu = self._on_gpu_path(query)
-        compiled = numba_support.available() and self.b_q.device.type == "cpu" and not gpu
+        compiled = self.compiled and self.b_q.device.type == "cpu" and not gpu
         self._step_factors = None
         if gpu and self._factor_kernel_runs():      # (reads a 16-bit model's query and key as float32 itself)
             from kvshrink.kernels.lrqk_factor import factor_step
@@ -637,7 +634,7 @@ class LRQKLayer(CacheLayer):
             a = (self.a_k if factors is None else factors)[:, :, :candidates].float()   # [B, F, n, r]
             logits = self._q_hat.float() @ a.transpose(-1, -2)                        # [B, F, G/c, n]
         k = min(self.top_k, candidates)
-        if self.fast and logits.device.type == "cpu" and numba_support.available():
+        if self.compiled and logits.device.type == "cpu":
             first = ctx.pad_len.repeat_interleave(hkv) if ctx.pad_len is not None else None
             return lrqk_proxy.proxy_top_k(logits.reshape(b * hkv * logits.shape[2] * f // hkv, candidates),
                                              ctx.scaling, first, b * hkv, k)
@@ -800,10 +797,10 @@ class LRQKLayer(CacheLayer):
         factors with room for one more, float32 K/V: the defaults on a float32 model): the window shifted and
         the key factors written, checked for float16's range first; then the slow tier's row. False, having
         stored nothing, elsewhere."""
-        if not (self.fast and ctx.q_len == 1 and self.b_k is not None and self._k_hat is not None
+        if not (self.compiled and ctx.q_len == 1 and self.b_k is not None and self._k_hat is not None
                 and self.window and self.win_k is not None and self.win_k.shape[2] == self.window
                 and self.a_len < self.a_k.shape[2] and key.dtype == value.dtype == torch.float32
-                and key.device.type == "cpu" and numba_support.available()):
+                and key.device.type == "cpu"):
             return False
         tensors = (self.win_k, self.win_v, self.a_k)
         if not all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
@@ -1004,3 +1001,10 @@ def _check_writable(folder: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe or ".") or not os.access(probe or ".", os.W_OK | os.X_OK):
         raise ValueError(f"lrqk: disk_folder {folder!r} is not a writable folder")
+
+
+def warm_up_kernels() -> None:
+    """Compile (or load from numba's cache) every numba kernel of LRQK's CPU step, on tiny inputs."""
+    warm_up.lrqk()
+    warm_up_fill_planner()
+    cpu_step.warm_up()

@@ -717,7 +717,7 @@ class SlotTier:
         return held_bytes([self.keys, self.values, self.token, self.score, self.chosen])
 
 
-if numba_support.available():
+if numba_support.installed():
     from numba import njit
 
     from kvshrink.kernels.cpu.half_words import largest_word

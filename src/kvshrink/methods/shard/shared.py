@@ -13,8 +13,7 @@ from kvshrink.codecs.rope import rope_phases
 from kvshrink.codecs.scalar_levels import unit_levels
 from kvshrink.codecs.vq import gaussian_codebook
 from kvshrink.kernels.backend import gpu_path, triton_available
-from kvshrink.kernels.compile_notice import compiling
-from kvshrink.kernels.cpu import numba_support, vq_search, warm_up
+from kvshrink.kernels.cpu import first_use, vq_search
 from kvshrink.methods.shard.config import ShardConfig
 
 
@@ -36,11 +35,11 @@ class ShardShared:
         for bits in PCA_BITS[1:]:
             unit_levels(bits, cfg.k_levels)
         self.num_layers = num_layers
-        # Without numba the fast path is the torch ops (the same answers, slower), as LRQK's kernel option.
-        self.fast = cfg.kernel == "fast" and numba_support.available()
+        # Without numba, or while its kernels compile in the background on a machine's first use, the fast
+        # path is the torch ops (the same answers, slower) for this cache's whole life, as LRQK's kernel option.
+        self.fast = cfg.kernel == "fast" and first_use.prepare("shard", "kvshrink.kernels.cpu.warm_up:shard",
+                                                               cfg.pca_scopes(num_kv_heads))
         if self.fast:
-            with compiling("shard"):
-                warm_up.shard(cfg.pca_scopes(num_kv_heads))
             if cfg.v_fit == "gaussian":  # the codebook every block uses, as the blocks store it (float16)
                 vq_search.index_codebook(self.v_codebook.to(torch.float16))
                 if self.cold_codebook is not None:
