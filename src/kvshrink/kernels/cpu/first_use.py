@@ -180,7 +180,6 @@ def _write_marker(marker: Path, target: str, args: tuple[int, ...]) -> None:
 
 def _compile_here(marker: Path, threads: int, target: str, args: tuple[int, ...]) -> None:
     """The background process: one at a time per marker (a second waits, then finds the marker)."""
-    os.nice(10)   # the user's process, on the torch path meanwhile, comes first
     torch.set_num_threads(threads)   # the kernel variants (serial or parallel) that thread count runs
     marker.parent.mkdir(parents=True, exist_ok=True)
     with open(marker.with_suffix(".lock"), "w") as lock:
@@ -192,5 +191,12 @@ def _compile_here(marker: Path, threads: int, target: str, args: tuple[int, ...]
             print(f"compiled {target}{args} in {time.perf_counter() - started:.1f} s", flush=True)
 
 
-_CHILD = ("import sys; from pathlib import Path; from kvshrink.kernels.cpu.first_use import _compile_here; "
-          "_compile_here(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], tuple(int(a) for a in sys.argv[4:]))")
+# The background process runs only on CPU time the user's process leaves idle (Linux's SCHED_IDLE, for every thread
+# it starts, set before it imports anything; elsewhere the lowest priority): a niced compiler, importing torch at
+# full priority, slowed the torch path's first tokens on a 2-core machine tens of times.
+_CHILD = ("import os, sys\n"
+          "if hasattr(os, 'SCHED_IDLE'): os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+          "else: os.nice(19)\n"
+          "from pathlib import Path\n"
+          "from kvshrink.kernels.cpu.first_use import _compile_here\n"
+          "_compile_here(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], tuple(int(a) for a in sys.argv[4:]))\n")
