@@ -72,7 +72,8 @@ def prepare(what: str, target: str, *args: int) -> bool:
     if name not in _children and (marker.exists() or _waits()):
         with compiling(what):
             _run(target, args)
-        _write_marker(marker, target, args)
+        if not marker.exists():
+            _write_marker(marker, target, args)
         _ready.add(name)
         return True
     if name not in _children and name not in _failed:
@@ -120,7 +121,8 @@ def _start(what: str, target: str, args: tuple[int, ...], marker: Path) -> None:
     marker.parent.mkdir(parents=True, exist_ok=True)
     log = Path(tempfile.gettempdir()) / f"kvshrink-compile-{marker.stem}.log"
     package_root = str(Path(__file__).resolve().parents[3])        # where `kvshrink` imports from
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    paths = [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     with open(log, "w") as out:
         child = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(marker), str(torch.get_num_threads()), target, *map(str, args)],
@@ -172,7 +174,8 @@ def _write_marker(marker: Path, target: str, args: tuple[int, ...]) -> None:
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         temporary = marker.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"target": target, "args": list(args), "numba": numba_support.numba.__version__}))
+        made = {"target": target, "args": list(args), "numba": numba_support.numba.__version__}
+        temporary.write_text(json.dumps(made))
         os.replace(temporary, marker)
     except OSError:   # a read-only place: the next process loads numba's cache in the foreground, as fast
         pass
