@@ -74,6 +74,20 @@ def test_every_figure_line_of_a_published_table_comes_from_data(tmp_path):
     assert stale_docs([str(doc)], str(tmp_path)) == [str(doc)]
 
 
+def test_an_export_names_the_commit_of_each_run_that_filled_its_folder(tmp_path, monkeypatch):
+    """Two runs into one folder on two commits: the exported file names both, in order, not the exporter's."""
+    from kvshrink.eval import published, results
+
+    row = {"spec": "full", "task": "ppl", "length": 256, "kl": 0.0, "top1": 100.0, "ratio": 0.5}
+    (tmp_path / results.ROWS).write_text(json.dumps(row) + "\n")
+    for commit in ("aaaa", "bbbb", "aaaa"):
+        monkeypatch.setattr(results, "code_commit", lambda commit=commit: commit)
+        results.write_config(str(tmp_path), {"argv": ["kvshrink", "eval", "ppl"]})
+    monkeypatch.setattr(published, "code_commit", lambda: "cccc")
+    data = published.export_results(str(tmp_path), str(tmp_path / "out.json"))
+    assert data["commit"] == "aaaa, bbbb" and len(data["commands"]) == 3
+
+
 def test_report_docs_check_fails_on_a_stale_table_and_redraws_it(tmp_path, monkeypatch):
     from kvshrink.eval.cli import main
 

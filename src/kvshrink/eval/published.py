@@ -17,10 +17,9 @@ import json
 import os
 import re
 import statistics
-import subprocess
 
 from .report import markdown_table, spec_order
-from .results import CONFIG, read_rows
+from .results import CONFIG, code_commit, read_rows
 
 # What a row keeps of a results row: what the published tables read, and what identifies the sample.
 KEPT_FIELDS = ("spec", "method", "task", "length", "actual_tokens", "sample", "ppl_ratio", "kl", "top1",
@@ -49,17 +48,6 @@ MARKER = re.compile(r"<!-- table:(?P<kind>[a-z]+) (?P<path>\S+) -->\n.*?<!-- end
 # ---- export ---------------------------------------------------------------------------------
 
 
-def _git_commit(cwd: str) -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=cwd, capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out + ("+changes" if dirty else "")
-
-
 def export_results(out_dir: str, dest: str, model: str | None = None) -> dict:
     """Write ``dest``: the run's commands, date, commit, machine and versions, and its rows (the fields the
     published tables read). Returns what was written."""
@@ -72,7 +60,8 @@ def export_results(out_dir: str, dest: str, model: str | None = None) -> dict:
     data = {
         "model": model or config.get("options", {}).get("model_ref") or "SmolLM2-135M-Instruct (embedded)",
         "date": (runs[0]["started"] if runs else _dt.datetime.now(_dt.timezone.utc).isoformat())[:10],
-        "commit": _git_commit(os.path.dirname(os.path.abspath(__file__))),
+        # each run's commit, in order (a folder filled by several runs may span several)
+        "commit": ", ".join(dict.fromkeys(r["commit"] for r in runs if r.get("commit"))) or code_commit(),
         "commands": [" ".join(r["argv"]) for r in runs if r.get("argv")],
         "machine": config.get("machine", {}),
         "versions": config.get("versions", {}),

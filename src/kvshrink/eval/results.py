@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
 from typing import Any, Iterable
 
@@ -109,14 +110,28 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def code_commit() -> str | None:
+    """The short commit of the kvshrink checkout that runs, ``+changes`` when its sources differ from it; None
+    outside a git checkout."""
+    cwd = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out + ("+changes" if dirty else "")
+
+
 def write_config(out_dir: str, config: dict) -> None:
-    """config.json keeps the first run's description and appends each resumed run's argv."""
+    """config.json keeps the first run's description and appends each resumed run's argv and commit."""
     path = os.path.join(out_dir, CONFIG)
     runs = []
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             runs = json.load(fh).get("runs", [])
-    runs.append({"argv": config.get("argv"), "started": now()})
+    runs.append({"argv": config.get("argv"), "started": now(), "commit": code_commit()})
     config = {**config, "runs": runs, "versions": library_versions(), "machine": machine()}
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2, default=str)
