@@ -24,22 +24,28 @@ def cold_machine(tmp_path, monkeypatch):
     prepared yet, and no background process left running afterwards."""
     monkeypatch.setattr(numba_support.numba.config, "CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
-    for name, empty in (("_ready", set()), ("_children", {}), ("_failed", set()), ("_wait_override", False)):
+    for name, empty in (("_ready", set()), ("_children", {}), ("_failed", set()), ("_wait_override", False),
+                        ("_lowered_threads", None)):
         monkeypatch.setattr(first_use, name, empty)
+    threads = torch.get_num_threads()
     yield tmp_path
     for child, _, _ in first_use._children.values():
         child.kill()
         child.wait()
+    first_use.compiling_in_background()            # reaps them: torch's threads given back
     numba_support.hold_kernels(None)
+    assert torch.get_num_threads() == threads
 
 
 def test_a_cold_machine_compiles_in_the_background_then_loads(cold_machine):
+    threads = torch.get_num_threads()
     assert first_use.prepare("tiny", TINY) is False           # started, not waited for
     assert first_use.compiling_in_background() and not numba_support.available()
+    assert torch.get_num_threads() == max(1, threads - 1)     # a core left to the compiler
     assert first_use.prepare("tiny", TINY) is False           # one background process, not a second
     assert len(first_use._children) == 1
     assert first_use.finish_background(timeout=300)
-    assert numba_support.available()
+    assert numba_support.available() and torch.get_num_threads() == threads
     [marker] = cold_machine.glob("kvshrink-kernels-*.done")
     assert first_use.prepare("tiny", TINY) is True            # loaded from numba's cache now
 

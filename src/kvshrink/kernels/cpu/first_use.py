@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ _children: dict[str, tuple[subprocess.Popen, Path, str]] = {}   # marker name ->
 _failed: set[str] = set()
 _wait_override: bool | None = None
 _stamp: str | None = None
+_lowered_threads: tuple[int, int] | None = None   # (the torch thread count before a compile, the one set during it)
 
 
 def wait_for_kernels(wait: bool | None = True) -> None:
@@ -99,6 +101,8 @@ def _kernels_held() -> bool:
             _failed.add(name)
             _log.warning("kvshrink: compiling %s's CPU kernels failed (exit status %s; its output: %s); the "
                          "torch path decodes instead (the same answers, slower)", what, code, log)
+    if not _children:
+        _give_back_threads()
     held = bool(_children or _failed)
     if not held:
         numba_support.hold_kernels(None)
@@ -117,22 +121,47 @@ def finish_background(timeout: float | None = None) -> bool:
     return not compiling_in_background()
 
 
+def _leave_a_core() -> None:
+    """torch's intra-op threads, one fewer while a compiler runs beside them: an OpenMP pool that shares a core
+    with a busy process slows down tens of times (LRQK's first 8 tokens on 2 cores: 39 s on 2 threads beside the
+    compiler, 4.5 s on 1, 2.7 s on 1 alone; measured), even when that process runs at SCHED_IDLE."""
+    global _lowered_threads
+    threads = torch.get_num_threads()
+    if _lowered_threads is None and threads > 1:
+        torch.set_num_threads(threads - 1)
+        _lowered_threads = (threads, threads - 1)
+
+
+def _give_back_threads() -> None:
+    """The thread count as it was, unless someone has set another since; from the main thread only (OpenMP's
+    count is the calling thread's: a helper thread's poll leaves it to the next poll from the main thread)."""
+    global _lowered_threads
+    if _lowered_threads is not None and threading.current_thread() is threading.main_thread():
+        before, during = _lowered_threads
+        if torch.get_num_threads() == during:
+            torch.set_num_threads(before)
+        _lowered_threads = None
+
+
 def _start(what: str, target: str, args: tuple[int, ...], marker: Path) -> None:
     marker.parent.mkdir(parents=True, exist_ok=True)
     log = Path(tempfile.gettempdir()) / f"kvshrink-compile-{marker.stem}.log"
     package_root = str(Path(__file__).resolve().parents[3])        # where `kvshrink` imports from
     paths = [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    threads = _lowered_threads[0] if _lowered_threads else torch.get_num_threads()   # the count after the compile
     with open(log, "w") as out:
         child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(marker), str(torch.get_num_threads()), target, *map(str, args)],
+            [sys.executable, "-c", _CHILD, str(marker), str(threads), target, *map(str, args)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True)   # it finishes (and caches) even when this process is interrupted
     _children[marker.name] = (child, log, what)
+    _leave_a_core()
     numba_support.hold_kernels(_kernels_held)
     _log.warning("kvshrink: compiling %s's CPU kernels in the background (first use on this machine: a minute or "
                  "more on a small CPU, cached afterwards); until then caches decode with the torch path (the same "
-                 "answers, slower). KVSHRINK_COMPILE=wait compiles them before the first step instead.", what)
+                 "answers, slower; torch runs one thread fewer meanwhile). KVSHRINK_COMPILE=wait compiles them before the first "
+                 "step instead.", what)
 
 
 def _run(target: str, args: tuple[int, ...]) -> None:
