@@ -4,8 +4,8 @@ numba compiles kvshrink's kernels once per machine and loads them from its on-di
 a second). The compilation itself takes from half a minute (Shard) to a few minutes (LRQK) on a small CPU. A
 cache that waited for it would keep a new user staring at a silent prompt; instead, the first cache made on a
 cold machine starts one background process that compiles the kernels into numba's cache, and decodes with the
-torch path (the same answers, slower) for its whole life. A cache made once that process has finished loads
-the compiled kernels. A marker file beside numba's cache records which warm-ups have completed there, for this
+torch path (the same answers, slower) for its whole life; torch runs one intra-op thread fewer until the
+compile ends, leaving a core to it. A cache made once that process has finished loads the compiled kernels. A marker file beside numba's cache records which warm-ups have completed there, for this
 exact copy of kvshrink (any edited source file changes its name).
 
 ``KVSHRINK_COMPILE=wait`` (or `wait_for_kernels`) compiles in the calling process instead, as the benchmarks
