@@ -136,7 +136,7 @@ def test_bytes_count_every_tensor():
     code = block.keys[0]
     expected += code.codes.numel()  # packed coefficients
     expected += code.rank * (2 + 2) + h * d * 2 + h * d * code.rank  # steps, basis scales, mean, int8 basis
-    expected += n * h * (d // 4) + 256 * 4 * 2 + h * d * 2  # VQ indices, codebook, channel scales
+    expected += n * h * (d // 4) + 256 * 4 * 2 + h * d * 2 * 2  # VQ indices, codebook, channel scales and means
     m = 8  # salient rows per head: ceil(0.015 * 480)
     expected += h * m * (4 + 2 * d * 2)  # int32 row index, fp16 K and V
     assert layer.nbytes() == expected
@@ -369,6 +369,33 @@ def test_store_rebuilds_the_models_post_rope_keys_and_values(rope):
         order = (index[0] if index.dim() == 2 else index).argsort()
         for got, want in [(keys[:, :, order], reference.store.keys), (values[:, :, order], reference.store.values)]:
             assert ((got.float() - want).norm() / want.norm()).item() < 0.02
+
+
+def test_values_are_coded_less_their_mean_and_rebuilt_with_it():
+    """Values sharing a large common part (Qwen2's value bias) are coded less each head's mean, stored with the
+    block: at 2 bits the rebuilt values then miss by under half their spread about the mean (a codebook
+    centred on zero missed by ten times it in the second layer, whose common part is 36 times its spread)."""
+    from conftest import tiny_model
+
+    model = tiny_model("qwen2")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(30.0)
+            layer.self_attn.v_proj.bias.fill_(6.0)
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    full = kvshrink.make_cache("full", model)
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, salient=0.0, evict=0.0)
+    prefill(model, full, ids)
+    prefill(model, shard, ids)
+    for layer, reference in zip(shard.layers, full.layers):
+        block = layer.middle[0]
+        want = reference.store.values[:, :, 4:4 + block.n].float()
+        mean = want.mean(2)[0]
+        assert torch.allclose(block.v_mean.float(), mean, rtol=1e-3, atol=1e-2)
+        _, values, index = layer.dequantized(shard._ctx)
+        got = values[:, :, (index[0] if index.dim() == 2 else index).argsort()][:, :, 4:4 + block.n]
+        spread = (want - mean[None, :, None]).norm()
+        assert ((got - want).norm() / spread).item() < 0.5
 
 
 def test_salient_tokens_of_an_evicting_block_hold_the_models_keys_and_values_of_their_tokens():

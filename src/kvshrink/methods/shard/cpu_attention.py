@@ -108,7 +108,7 @@ class CpuAttention:
                   block_attention.scaled_bases(arrays.bases, factors.factor, factors.column))
         parts.code(arrays.scopes, self.run_layout(block), scaled, factors.mean, cos_t, sin_t, arrays.hidden,
                    arrays.v_codes, int(math.log2(k_entries)), self.d // group, rows, block.v_codebook, block.v_scale,
-                   self.shared.rotation.matrix(block.v_codes.device))
+                   self.shared.rotation.matrix(block.v_codes.device), block.v_mean)
 
     def block_arrays(self, block: MiddleBlock) -> BlockArrays:
         """Numpy views of what the CPU fast path's kernels read of ``block`` (`BlockArrays`), made on first use

@@ -57,6 +57,8 @@ class GpuAttention:
         parts = [sca.block_attention(inputs, cos, sin, qg[:, :, start:start + step], ctx.scaling, rotation)
                  for start in range(0, r, step)]
         out, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in zip(*parts))
+        if block.v_mean is not None:  # the part's probabilities sum to one: its mean is added once
+            out = out + block.v_mean.to(out.dtype)[None, :, None, :]
         return Partial.from_grouped(out, lse, query.shape[1])
 
     def block_inputs(self, block: MiddleBlock):

@@ -78,7 +78,14 @@ class ReferenceAttention:
         return keys if paired else keys[..., torch.argsort(pair_order(self.d, device=keys.device))]
 
     def middle_values(self, block: MiddleBlock, probs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """``probs [B, H_kv, R, n] @ V[start:stop]`` ``[B, H_kv, R, d]`` from the VQ codes."""
+        """``probs [B, H_kv, R, n] @ V[start:stop]`` ``[B, H_kv, R, d]`` from the VQ codes and the block's mean."""
+        coded = self.coded_values(block, probs, start, stop)
+        if block.v_mean is None:
+            return coded
+        return coded + probs.sum(-1, keepdim=True) * block.v_mean.float()[None, :, None, :]
+
+    def coded_values(self, block: MiddleBlock, probs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``probs [B, H_kv, R, n]`` times the values' VQ codes ``[start:stop]`` (less the block's mean)."""
         k_entries, group = block.v_codebook.shape
         n_groups = self.d // group
         idx = unpack_bits(block.v_codes[:, :, start:stop], int(math.log2(k_entries)), n_groups)  # [B,H,n,G]

@@ -121,6 +121,7 @@ class MiddleBlock:
     v_codes: torch.Tensor  # [B, H_kv, n, ceil(d/group * bits / 8)] uint8
     v_codebook: torch.Tensor  # [K, group] fp16
     v_scale: torch.Tensor  # [H_kv, d] fp16, per (head, rotated channel)
+    v_mean: torch.Tensor | None = None  # [H_kv, d] fp16: the values were coded less it (None: not centred)
     salient: SalientTokens | None = None  # rows also held exact (their codes are masked in attention)
     kept: torch.Tensor | None = None  # [ceil(span/8)] uint8: 1 bit per covered token, set if stored
     span: int = 0  # tokens covered, stored or evicted (n when nothing was evicted)
@@ -156,7 +157,8 @@ class MiddleBlock:
 
     # ---- save / load (cache/record.py). A new stored field: a dataclass field above and one line here. -------
     RECORD = Schema(tensors=(TensorSpec("v_codes", "b H n *", "uint8"), TensorSpec("v_codebook", "k *", "float16"),
-                             TensorSpec("v_scale", "H D", "float16"), TensorSpec("kept", "*", "uint8", optional=True)),
+                             TensorSpec("v_scale", "H D", "float16"), TensorSpec("v_mean", "H D", "float16", optional=True),
+                             TensorSpec("kept", "*", "uint8", optional=True)),
                     meta=("start", "n", "span"))
     _KEY_LEAD = "b"   # each PCA scope's codes: [B, n, bytes]
 
@@ -177,7 +179,8 @@ class MiddleBlock:
     def parts(self) -> dict[str, list[torch.Tensor]]:
         k = {kind: [t for code in self.keys for t in code.parts()[kind]] for kind in ("codes", "scales", "bases")}
         return {"k_codes": k["codes"], "k_scales": k["scales"], "k_bases": k["bases"],
-                "v_codes": [self.v_codes], "v_scales": [self.v_scale], "v_codebooks": [self.v_codebook],
+                "v_codes": [self.v_codes], "v_scales": [self.v_scale] + ([] if self.v_mean is None else [self.v_mean]),
+                "v_codebooks": [self.v_codebook],
                 "salient": [] if self.salient is None else self.salient.tensors(),
                 "kept": [] if self.kept is None else [self.kept]}
 
