@@ -280,11 +280,12 @@ def _bins_kernel(scores_ptr, lse_ptr, vcodes_ptr, bins_ptr, n, v_bytes, rows, n_
 
 
 @triton.jit
-def _values_kernel(bins_ptr, codebook_ptr, scale_ptr, rot_ptr, out_ptr, rows, n_bins, head_dim, heads,
+def _values_kernel(bins_ptr, codebook_ptr, scale_ptr, mean_ptr, rot_ptr, out_ptr, rows, n_bins, head_dim, heads,
                    rot_row_stride, rot_col_stride, ENTRIES: tl.constexpr, GROUP: tl.constexpr, DP: tl.constexpr,
-                   BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
-    # out = unrotate((bins per group @ codebook) * scale): the per-group products as one dot with the
-    # block-diagonal codebook (bin j = group g, codeword k feeds channels g*GROUP ..), built per chunk
+                   BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, HAS_MEAN: tl.constexpr):
+    # out = unrotate((bins per group @ codebook) * scale) + mean: the per-group products as one dot with the
+    # block-diagonal codebook (bin j = group g, codeword k feeds channels g*GROUP ..), built per chunk; the
+    # mean the values were coded less of is added once (a row's probabilities sum to one)
     pid_bh = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rows
@@ -303,16 +304,18 @@ def _values_kernel(bins_ptr, codebook_ptr, scale_ptr, rot_ptr, out_ptr, rows, n_
     scale = tl.load(scale_ptr + (pid_bh % heads) * head_dim + offs_c, mask=c_ok, other=0.0).to(tl.float32)
     rot = _square(rot_ptr, offs_c, c_ok, rot_row_stride, rot_col_stride)
     out = tl.dot(acc * scale[None, :], tl.trans(rot), input_precision="ieee")
+    if HAS_MEAN:
+        out += tl.load(mean_ptr + (pid_bh % heads) * head_dim + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + (pid_bh * rows + offs_r[:, None]) * head_dim + offs_c[None, :], out,
              mask=r_ok[:, None] & c_ok[None, :])
 
 
 def code_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor, rotation: torch.Tensor,
-                tiles: Tiles | None = None) -> torch.Tensor:
+                tiles: Tiles | None = None, mean: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output ``[B, H_kv, R, d]`` float32 from ``bins [B, H_kv, R, groups * entries]`` (see
     `code_bins`) in one launch: summed against the value ``codebook [entries, group]``, times the block's
-    ``scale [H_kv, d]``, unrotated by ``rotation [d, d]`` (``out = x @ rotation.T``), as the layer's
-    `values_from_bins` does in three ops."""
+    ``scale [H_kv, d]``, unrotated by ``rotation [d, d]`` (``out = x @ rotation.T``), plus the ``mean [H_kv, d]``
+    the values were coded less of (None: none), as the layer's `middle_values` does in a few ops."""
     batch, heads, rows, n_bins = bins.shape
     entries, group = codebook.shape
     head_dim = scale.shape[-1]
@@ -322,8 +325,9 @@ def code_values(bins: torch.Tensor, codebook: torch.Tensor, scale: torch.Tensor,
     tiles = tiles or default_tiles()
     with counting.kernel_launch("shard_values"):
         _values_kernel[(batch * heads, triton.cdiv(rows, tiles.r))](
-            bins.contiguous(), codebook.contiguous(), scale.contiguous(), rotation, out, rows, n_bins, head_dim, heads,
-            *rotation.stride(), ENTRIES=entries, GROUP=group, DP=_pow2(head_dim), BLOCK_J=128, BLOCK_R=tiles.r)
+            bins.contiguous(), codebook.contiguous(), scale.contiguous(), scale if mean is None else mean.contiguous(),
+            rotation, out, rows, n_bins, head_dim, heads, *rotation.stride(), ENTRIES=entries, GROUP=group,
+            DP=_pow2(head_dim), BLOCK_J=128, BLOCK_R=tiles.r, HAS_MEAN=mean is not None)
     return out
 
 
@@ -381,7 +385,8 @@ class BlockInputs:
     """What `block_attention` reads of one middle block, prepared once per block (kept on it, see
     `segments.BlockDerived`): the stacked key codes ``[B, S, n, bytes]`` (a view of the block's), their
     `ComponentPlan` and `KeyBasis`, the held rows as bits ``[B, H_kv, ceil(n/8)]`` (None: none), the value
-    codes and their width, and the value codebook and scales in float32."""
+    codes and their width, and the value codebook, scales and mean (None: the values were not centred) in
+    float32."""
 
     codes: torch.Tensor
     plan: ComponentPlan
@@ -392,10 +397,11 @@ class BlockInputs:
     n_groups: int
     codebook: torch.Tensor
     v_scale: torch.Tensor
+    v_mean: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         """Bytes made for the kernels (the codes are the block's own)."""
-        made = [self.held, self.codebook, self.v_scale]
+        made = [self.held, self.codebook, self.v_scale, self.v_mean]
         return self.plan.nbytes() + self.basis.nbytes() + sum(t.numel() * t.element_size()
                                                               for t in made if t is not None)
 
@@ -469,7 +475,7 @@ def block_attention(inputs: BlockInputs, cos: torch.Tensor, sin: torch.Tensor, q
     three kernels (scores, bins, values), nothing else launched."""
     scores = code_scores(inputs.codes, inputs.plan, inputs.basis, cos, sin, query, scaling, inputs.held, tiles)
     bins, lse = code_bins(scores, inputs.v_codes, inputs.v_bits, inputs.n_groups, tiles)
-    return code_values(bins, inputs.codebook, inputs.v_scale, rotation, tiles), lse
+    return code_values(bins, inputs.codebook, inputs.v_scale, rotation, tiles, inputs.v_mean), lse
 
 
 def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,

@@ -57,8 +57,6 @@ class GpuAttention:
         parts = [sca.block_attention(inputs, cos, sin, qg[:, :, start:start + step], ctx.scaling, rotation)
                  for start in range(0, r, step)]
         out, lse = (torch.cat(x, dim=2) if len(x) > 1 else x[0] for x in zip(*parts))
-        if block.v_mean is not None:  # the part's probabilities sum to one: its mean is added once
-            out = out + block.v_mean.to(out.dtype)[None, :, None, :]
         return Partial.from_grouped(out, lse, query.shape[1])
 
     def block_inputs(self, block: MiddleBlock):
@@ -77,7 +75,8 @@ class GpuAttention:
             k_entries, group = block.v_codebook.shape
             derived.gpu = sca.BlockInputs(codes, plan, sca.stored_basis(block.keys, basis_q), held, block.v_codes,
                                           int(math.log2(k_entries)), self.d // group, block.v_codebook.float(),
-                                          block.v_scale.float())
+                                          block.v_scale.float(),
+                                          None if block.v_mean is None else block.v_mean.float())
         return derived.gpu
 
     def block_rows(self, block: MiddleBlock) -> torch.Tensor | None:
