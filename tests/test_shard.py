@@ -256,6 +256,25 @@ def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exa
             torch.testing.assert_close(chosen.values[i, j].float(), value[i, j, rows].half().float())
 
 
+def test_half_the_salient_rows_are_spans_around_the_strongest_read_and_half_the_most_read_tokens():
+    """With the unpooled attention given, half the rows come from pooled spans (the needle and its neighbours) and
+    half are the most read of the other tokens, wherever they are; pooled alone, every row sits in two spans."""
+    from kvshrink.methods.shard.salient import observed_attention, pick_salient, pooled
+
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(1, 1, 200, 16, generator=g), torch.randn(1, 1, 200, 16, generator=g)
+    observer = torch.randn(1, 1, 6, 16, generator=g) * 0.1
+    key[0, 0, 40] = observer[0, 0].mean(0) * 80                                   # the needle
+    for row in (100, 130, 170):                                                   # tokens read less, but read
+        key[0, 0, row] = observer[0, 0].mean(0) * 50
+    read = observed_attention(observer, key, 0.25)
+    importance = pooled(read, 5)
+    mixed = set(pick_salient(importance, key, value, 0.04, torch.float16, read=read).index[0, 0].tolist())  # 8 rows
+    assert 40 in mixed and len(mixed & set(range(38, 43))) >= 4 and {100, 130, 170} <= mixed
+    spans = set(pick_salient(importance, key, value, 0.04, torch.float16).index[0, 0].tolist())
+    assert not {100, 130, 170} <= spans
+
+
 def test_salient_option_keeps_exact_tokens_per_head_and_counts_their_bytes():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
@@ -661,8 +680,8 @@ def test_cold_tokens_are_the_least_read_ones_coded_cheaper_and_survive_a_save(tm
     from kvshrink.methods.shard import encoding
 
     seen = []
-    original = encoding.observed_importance
-    monkeypatch.setattr(encoding, "observed_importance", lambda *a: seen.append(original(*a)) or seen[-1])
+    original = encoding.pooled
+    monkeypatch.setattr(encoding, "pooled", lambda *a: seen.append(original(*a)) or seen[-1])
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     opts = dict(sinks=4, window=16, key_bits=3.0, salient=0.05, evict=0.0, min_block=8)

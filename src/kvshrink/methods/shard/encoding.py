@@ -18,7 +18,7 @@ from kvshrink.codecs.rope import undo_rope
 from kvshrink.codecs.vq import fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.kernels.cpu import levels, vq_search
-from kvshrink.methods.shard.salient import observed_importance, pick_salient, tokens_to_keep
+from kvshrink.methods.shard.salient import observed_attention, pick_salient, pooled, tokens_to_keep
 from kvshrink.methods.shard.segments import EvictedTokens, MiddleBlock
 
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
@@ -96,9 +96,10 @@ class ShardEncoding:
         tokens: see `hot_tokens`), and, when ``evict`` drops some, the dropped ones uncoded: the caller holds them until it knows whether the prompt ended with its question (see
         `settle_unread`)."""
         observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
-        importance = None
+        importance = read = None
         if observer is not None and (self.cfg.salient > 0 or self.cfg.evicts):
-            importance = observed_importance(observer, key, ctx.scaling, self.cfg.salient_pool)
+            read = observed_attention(observer, key, ctx.scaling)
+            importance = pooled(read, self.cfg.salient_pool)
         keep = None
         if importance is not None and self.cfg.evicts:
             count = self.tokens_within_ratio(key.shape[2], key.shape[0]) if self.cfg.ratio > 0 else None
@@ -110,10 +111,10 @@ class ShardEncoding:
         # One helper call per block, so each block's full-size temporaries are freed before the next starts
         # (extra peak memory stays below one layer's prompt K+V; measured by a test).
         if hot is None:
-            kept = [self.encode_block(key, value, start, ctx, keep, importance)]
+            kept = [self.encode_block(key, value, start, ctx, keep, importance, read=read)]
         else:
             stored = key.shape[2] if keep is None else int(keep.sum())
-            kept = [self.encode_block(key, value, start, ctx, hot, importance, salient_of=stored),
+            kept = [self.encode_block(key, value, start, ctx, hot, importance, salient_of=stored, read=read),
                     self.encode_block(key, value, start, ctx, ~hot if keep is None else keep & ~hot, None,
                                       cold=True)]
         if keep is None:
@@ -168,10 +169,11 @@ class ShardEncoding:
 
     def encode_block(self, key: torch.Tensor, value: torch.Tensor, start: int, ctx: StepContext,
                      keep: torch.Tensor | None, importance: torch.Tensor | None, salient_of: int | None = None,
-                     cold: bool = False) -> MiddleBlock:
+                     cold: bool = False, read: torch.Tensor | None = None) -> MiddleBlock:
         """A `MiddleBlock` of the tokens ``keep [span]`` marks (all when None), its salient rows the most
         important of them when ``importance [B, H_kv, span]`` is given (``salient`` of ``salient_of`` tokens when
-        the block holds part of them: the hot part of a split); coded at the cold budget when ``cold``."""
+        the block holds part of them: the hot part of a split), half of them by the attention ``read`` itself when
+        given (see `pick_salient`); coded at the cold budget when ``cold``."""
         span, rows = key.shape[2], None if keep is None else keep.nonzero().squeeze(-1)
         bits = self.shared.layer_key_bits[self.layer_idx]
         if cold:
@@ -185,7 +187,8 @@ class ShardEncoding:
             n = span if rows is None else rows.numel()
             fraction = self.cfg.salient if salient_of is None else min(1.0, self.cfg.salient * salient_of / n)
             salient = pick_salient(kept_rows(importance, rows, 2), key, value, fraction, self._sinks.dtype,
-                                   rows, held=self.cfg.salient_dtype)
+                                   rows, held=self.cfg.salient_dtype,
+                                   read=None if read is None else kept_rows(read, rows, 2))
         n = span if rows is None else rows.numel()
         kept = None if keep is None else pack_bits(keep.to(torch.uint8), 1)
         block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook, v_scale=scale,

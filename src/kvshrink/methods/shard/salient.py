@@ -99,31 +99,48 @@ _OBSERVE_ROWS = 16
 
 
 def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: float, pool: int) -> torch.Tensor:
+    """``[B, H_kv, n]``: `observed_attention` max-pooled over ``pool`` neighbouring tokens (`pooled`)."""
+    return pooled(observed_attention(observer, keys, scaling), pool)
+
+
+def pooled(read: torch.Tensor, pool: int) -> torch.Tensor:
+    """``read [B, H_kv, n]`` max-pooled over ``pool`` neighbouring tokens (a fact spans several tokens, and its
+    neighbours are what gets copied next)."""
+    b, h, n = read.shape
+    return torch.nn.functional.max_pool1d(read.reshape(b * h, 1, n), pool, stride=1, padding=pool // 2).reshape(b, h, n)
+
+
+def observed_attention(observer: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """``[B, H_kv, n]``: the mean attention the grouped observation queries ``[B, H_kv, R, d]`` pay to
-    each of ``keys [B, H_kv, n, d]`` (softmax over these keys), max-pooled over ``pool`` neighbouring
-    tokens (a fact spans several tokens, and its neighbours are what gets copied next)."""
+    each of ``keys [B, H_kv, n, d]`` (softmax over these keys)."""
     b, h, rows, _ = observer.shape
     n = keys.shape[2]
     probs = torch.zeros(b, h, n, dtype=torch.float32, device=keys.device)
     for r in range(0, rows, _OBSERVE_ROWS):
         scores = observer[:, :, r:r + _OBSERVE_ROWS] @ keys.transpose(-1, -2)
         probs += torch.softmax(scores.mul_(scaling), dim=-1).sum(dim=2)
-    probs /= rows
-    pooled = torch.nn.functional.max_pool1d(probs.reshape(b * h, 1, n), pool, stride=1, padding=pool // 2)
-    return pooled.reshape(b, h, n)
+    return probs / rows
 
 
 def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fraction: float,
-                 dtype: torch.dtype, kept: torch.Tensor | None = None, held: str = "exact") -> SalientTokens | None:
+                 dtype: torch.dtype, kept: torch.Tensor | None = None, held: str = "exact",
+                 read: torch.Tensor | None = None) -> SalientTokens | None:
     """The ``ceil(fraction * n)`` block rows per KV head of highest ``importance [B, H_kv, n]`` (see
     `observed_importance`), sorted by row, with their keys and values from ``key/value [B, H_kv, span, d]``:
     block row ``i`` is token ``kept[i]`` of the span when some were evicted, else token ``i``. ``held``
-    (`SALIENT_DTYPES`): stored in ``dtype``, or as 8-bit codes per token vector."""
+    (`SALIENT_DTYPES`): stored in ``dtype``, or as 8-bit codes per token vector.
+
+    Given ``read [B, H_kv, n]`` (the attention the tokens themselves get, `observed_attention`, when
+    ``importance`` pools it over neighbours), half the rows are the highest by ``importance`` (the spans
+    around the strongest reads: a fact the question asks for is copied from the tokens after it) and the
+    other half the most read of the rest (the tokens every later query keeps reading: a document compressed
+    before its questions has no other sign of them; on the embedded model's 4K held-out text, rows by
+    ``read`` alone gave KL 0.0070 against 0.0114 by 33-token pools)."""
     n = importance.shape[-1]
     count = min(n, math.ceil(fraction * n - 1e-9))  # 1e-9: 0.035 * 200 is not 7
     if count == 0:
         return None
-    index = importance.topk(count, dim=-1).indices.sort(dim=-1).values  # [B, H_kv, m]
+    index = top_rows(importance, count, read).sort(dim=-1).values  # [B, H_kv, m]
     tokens = index if kept is None else kept[index]
     rows = tokens.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
     def store(x: torch.Tensor) -> torch.Tensor | GroupCode:
@@ -133,6 +150,16 @@ def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return quantize_groups(to_storage(x, torch.float16), 8, x.shape[-1])
 
     return SalientTokens(index.to(torch.int32), store(key.gather(2, rows)), store(value.gather(2, rows)))
+
+
+def top_rows(importance: torch.Tensor, count: int, read: torch.Tensor | None) -> torch.Tensor:
+    """``[B, H_kv, count]`` rows: the ``count`` highest by ``importance``, or with ``read``, half of them (rounded
+    up) by ``importance`` and the rest the highest by ``read`` among the others."""
+    if read is None:
+        return importance.topk(count, dim=-1).indices
+    spans = importance.topk((count + 1) // 2, dim=-1).indices
+    rest = read.scatter(-1, spans, float("-inf")).topk(count - spans.shape[-1], dim=-1).indices
+    return torch.cat([spans, rest], dim=-1)
 
 
 def tokens_to_keep(importance: torch.Tensor, mass: float, count: int | None = None) -> torch.Tensor:
