@@ -136,7 +136,7 @@ def test_bytes_count_every_tensor():
     code = block.keys[0]
     expected += code.codes.numel()  # packed coefficients
     expected += code.rank * (2 + 2) + h * d * 2 + h * d * code.rank  # steps, basis scales, mean, int8 basis
-    expected += n * h * (d // 4) + 256 * 4 * 2 + h * d * 2 * 2  # VQ indices, codebook, channel scales and means
+    expected += n * h * (d // 4) + 256 * 4 * 2 + h * d * 2  # VQ indices, codebook, channel scales
     m = 8  # salient rows per head: ceil(0.015 * 480)
     expected += h * m * (4 + 2 * d * 2)  # int32 row index, fp16 K and V
     assert layer.nbytes() == expected
@@ -390,10 +390,11 @@ def test_store_rebuilds_the_models_post_rope_keys_and_values(rope):
             assert ((got.float() - want).norm() / want.norm()).item() < 0.02
 
 
-def test_values_are_coded_less_their_mean_and_rebuilt_with_it():
-    """Values sharing a large common part (Qwen2's value bias) are coded less each head's mean, stored with the
-    block: at 2 bits the rebuilt values then miss by under half their spread about the mean (a codebook
-    centred on zero missed by ten times it in the second layer, whose common part is 36 times its spread)."""
+def test_centred_values_are_coded_less_their_mean_and_rebuilt_with_it():
+    """With ``v_centre``, values sharing a large common part (Qwen2's value bias) are coded less each head's mean,
+    stored with the block: at 2 bits the rebuilt values then miss by under half their spread about the mean (a
+    codebook centred on zero missed by ten times it in the second layer, whose common part is 36 times its
+    spread)."""
     from conftest import tiny_model
 
     model = tiny_model("qwen2")
@@ -403,7 +404,7 @@ def test_values_are_coded_less_their_mean_and_rebuilt_with_it():
             layer.self_attn.v_proj.bias.fill_(6.0)
     ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     full = kvshrink.make_cache("full", model)
-    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, salient=0.0, evict=0.0)
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, salient=0.0, evict=0.0, v_centre=True)
     prefill(model, full, ids)
     prefill(model, shard, ids)
     for layer, reference in zip(shard.layers, full.layers):

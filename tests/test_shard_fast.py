@@ -66,6 +66,7 @@ def assert_fast_equals_reference(cache, batch, rows=(1, 3), layers=None, ctx=Non
     dict(evict=0.1, salient=0.05, min_block=8),               # evicted tokens: RoPE at the kept positions
     dict(cold=0.3, salient=0.05, min_block=8),                # a hot and a cold block over the same span
     dict(cold=0.3, evict=0.1, min_block=8, pca_scope="layer"),  # the cold split of the kept tokens
+    dict(v_centre=True, salient=0.05, salient_read=0.5, cold=0.3, min_block=8),  # value means added back
 ])
 def test_fused_block_attention_equals_reference(opts):
     model = tiny_llama()

@@ -103,6 +103,7 @@ CASES = [
     (dict(v_group=2, v_codebook=32), dict(head_dim=128)),                              # 5-bit value codes
     (dict(key_weights="query", v_group=2, v_codebook=16), dict()),    # (k_levels="uniform": 30 s to set up)
     (dict(cold=0.3, salient=0.05, min_block=8), dict(head_dim=128)),                   # hot and cold blocks
+    (dict(v_centre=True, salient=0.05, salient_read=0.5), dict()),                     # value means added back
 ]
 
 

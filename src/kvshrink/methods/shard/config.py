@@ -29,6 +29,9 @@ class ShardConfig:
                              low=0, high=8, low_open=True)
     v_group: int = option(4, "channels per value VQ group (must divide the head size)", low=1)
     v_codebook: int = option(256, "value VQ codebook entries (power of two, 2..256)", low=2, high=256)
+    v_centre: bool = option(False, "code each KV head's values less their mean over the block (stored in fp16, "
+                            "added back by attention): values share a common part of 5-50% of their energy, which "
+                            "a codebook centred on zero spends its levels on")
     v_fit: str = option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
                         "per block on a sample)", choices=V_FITS)
     v_iters: int = option(4, "k-means iterations when v_fit='kmeans'", low=0)
@@ -61,8 +64,7 @@ class ShardConfig:
                               "error)", choices=KEY_WEIGHTS)
     salient: float = option(0.05, "fraction of each block's middle tokens held apart from its codes per KV "
                             "head (exact or 8-bit, see salient_dtype): those the prompt's last `observe` queries "
-                            "attend to most, half in spans around the strongest reads (`salient_pool`), half the "
-                            "most read of the other tokens", low=0, high=0.5)
+                            "attend to most (SnapKV-style; see `salient_read`)", low=0, high=0.5)
     ratio: float = option(10.0, "compression target (an fp16 cache's bytes over the bytes held) for a prompt that "
                           "ends with its question: each layer evicts its least-attended middle tokens (by the "
                           "last `observe` queries, pooled like `salient`) until its bytes meet it, but never more "
@@ -87,9 +89,13 @@ class ShardConfig:
     cold_v_group: int = option(8, "channels per value VQ group of the cold tokens (see `cold`; `v_codebook` "
                                "entries: 8 channels with 256 entries is 1 bit per value element)", low=1)
     observe: int = option(64, "last prompt queries whose attention picks the salient and the evicted tokens", low=1)
+    salient_read: float = option(0.0, "share of the salient rows picked as the most read of the tokens themselves "
+                                 "rather than in spans around the strongest reads (`salient_pool`): spans serve a "
+                                 "question at the prompt's end (the fact and the tokens copied after it), the most "
+                                 "read tokens a document compressed before its questions", low=0, high=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd) when choosing "
-                               "the evicted, the cold and half the salient tokens: a fact spans several tokens, and "
-                               "the ones after an attended token are copied next", low=1)
+                               "the evicted, the cold and the salient tokens (but `salient_read` of them): a fact "
+                               "spans several tokens, and the ones after an attended token are copied next", low=1)
     kernel: str = option("fast", "compressed-segment decode on CPU: 'fast' (numba kernels: the middle around "
                          "one batched product per slice of tokens, its values and the stream in one pass each, "
                          "when kvshrink[fast] is installed; else the torch ops) or 'reference' (torch ops, the "

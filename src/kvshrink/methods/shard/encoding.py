@@ -100,6 +100,7 @@ class ShardEncoding:
         if observer is not None and (self.cfg.salient > 0 or self.cfg.evicts):
             read = observed_attention(observer, key, ctx.scaling)
             importance = pooled(read, self.cfg.salient_pool)
+            read = read if self.cfg.salient_read > 0 else None
         keep = None
         if importance is not None and self.cfg.evicts:
             count = self.tokens_within_ratio(key.shape[2], key.shape[0]) if self.cfg.ratio > 0 else None
@@ -157,7 +158,7 @@ class ShardEncoding:
         rank, scopes = self.key_rank(width), dim // width
         basis = width * rank + 2 * width + 2 * 2 * rank        # int8 basis, fp16 mean, fp16 scale and step
         factors = 4 * (rank + 2 * width)                        # `BasisFactors`, float32
-        values = held_bytes([self.shared.v_codebook.half()]) + 2 * 2 * dim  # codebook, fp16 scales and means
+        values = held_bytes([self.shared.v_codebook.half()]) + 2 * dim * (1 + self.cfg.v_centre)  # fp16 scales, means
         fixed = scopes * (basis + factors) + values + math.ceil(span / 8)   # + the kept-token bitmask
         per_vector = 4 + (2 * (self.d + 4) if self.cfg.salient_dtype == "int8"
                           else 2 * self.d * self._sinks.dtype.itemsize)
@@ -173,7 +174,7 @@ class ShardEncoding:
         """A `MiddleBlock` of the tokens ``keep [span]`` marks (all when None), its salient rows the most
         important of them when ``importance [B, H_kv, span]`` is given (``salient`` of ``salient_of`` tokens when
         the block holds part of them: the hot part of a split), half of them by the attention ``read`` itself when
-        given (see `pick_salient`); coded at the cold budget when ``cold``."""
+        given (``salient_read`` of them, see `pick_salient`); coded at the cold budget when ``cold``."""
         span, rows = key.shape[2], None if keep is None else keep.nonzero().squeeze(-1)
         bits = self.shared.layer_key_bits[self.layer_idx]
         if cold:
@@ -188,7 +189,8 @@ class ShardEncoding:
             fraction = self.cfg.salient if salient_of is None else min(1.0, self.cfg.salient * salient_of / n)
             salient = pick_salient(kept_rows(importance, rows, 2), key, value, fraction, self._sinks.dtype,
                                    rows, held=self.cfg.salient_dtype,
-                                   read=None if read is None else kept_rows(read, rows, 2))
+                                   read=None if read is None else kept_rows(read, rows, 2),
+                                   read_share=self.cfg.salient_read)
         n = span if rows is None else rows.numel()
         kept = None if keep is None else pack_bits(keep.to(torch.uint8), 1)
         block = MiddleBlock(start=start, n=n, keys=keys, v_codes=v_codes, v_codebook=codebook, v_scale=scale,
@@ -244,11 +246,11 @@ class ShardEncoding:
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Values ``[B, H_kv, span, d]`` (all rows, or the block rows ``rows`` only) -> packed VQ indices,
         the codebook (``codebook``'s group size, by default the shared `v_codebook`), per-(head, channel) scales
-        and each head's mean ``[H_kv, d]`` (fp16), which the codes are taken less of.
+        and, with ``v_centre``, each head's mean ``[H_kv, d]`` (fp16) the codes are taken less of (else None).
 
-        Coded less their mean: a head's values share a large common part (5-50% of their energy on the embedded
-        model and on Qwen2.5), which a codebook centred on zero would spend its levels on; removing it cut the
-        value error by 12% (SmolLM2) and 8% (Qwen2.5) at 2 bits, and attention adds it back exactly.
+        A head's values share a common part (5-50% of their energy on the embedded model and on Qwen2.5), which
+        a codebook centred on zero spends its levels on; coding them less it cut the value error by 12%
+        (SmolLM2) and 8% (Qwen2.5) at 2 bits, and attention adds it back exactly.
 
         One head and ``_VALUE_ROWS`` tokens at a time (the rotation is redone rather than kept), so a
         layer's rotated values never exist at once; only ``v_fit="kmeans"`` rotates the whole layer to
@@ -265,8 +267,10 @@ class ShardEncoding:
                 yield i, (value[:, s, i:i + _VALUE_ROWS] if rows is None else
                           value[:, s].index_select(1, rows[i:i + _VALUE_ROWS])).float()
 
-        mean = torch.stack([sum(x.sum(dim=(0, 1)) for _, x in head_rows(s)) for s in range(h)]) / max(1, b * n)
-        mean = mean.to(torch.float16)       # as stored: the codes are taken less of what decoding adds back
+        mean = torch.zeros(h, d, dtype=torch.float16, device=value.device)
+        if self.cfg.v_centre:               # as stored (fp16): the codes are taken less of what decoding adds back
+            mean = (torch.stack([sum(x.sum(dim=(0, 1)) for _, x in head_rows(s)) for s in range(h)])
+                    / max(1, b * n)).to(torch.float16)
 
         def rotated(s: int):
             """``(first row, rotated values less the mean [B, m, d])`` of head ``s``, block rows in chunks."""
@@ -288,4 +292,4 @@ class ShardEncoding:
                 groups = x.div_(scale[s].float()).reshape(-1, group)
                 idx[:, s, i:i + x.shape[1]] = vq_search.assign_codes(groups, codebook.float(), out_dtype=torch.int32
                                                                      ).reshape(b, x.shape[1], d // group)
-        return pack_bits(idx, int(math.log2(self.cfg.v_codebook))), codebook, scale, mean
+        return pack_bits(idx, int(math.log2(self.cfg.v_codebook))), codebook, scale, mean if self.cfg.v_centre else None

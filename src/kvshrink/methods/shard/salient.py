@@ -124,23 +124,23 @@ def observed_attention(observer: torch.Tensor, keys: torch.Tensor, scaling: floa
 
 def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fraction: float,
                  dtype: torch.dtype, kept: torch.Tensor | None = None, held: str = "exact",
-                 read: torch.Tensor | None = None) -> SalientTokens | None:
+                 read: torch.Tensor | None = None, read_share: float = 0.5) -> SalientTokens | None:
     """The ``ceil(fraction * n)`` block rows per KV head of highest ``importance [B, H_kv, n]`` (see
     `observed_importance`), sorted by row, with their keys and values from ``key/value [B, H_kv, span, d]``:
     block row ``i`` is token ``kept[i]`` of the span when some were evicted, else token ``i``. ``held``
     (`SALIENT_DTYPES`): stored in ``dtype``, or as 8-bit codes per token vector.
 
     Given ``read [B, H_kv, n]`` (the attention the tokens themselves get, `observed_attention`, when
-    ``importance`` pools it over neighbours), half the rows are the highest by ``importance`` (the spans
-    around the strongest reads: a fact the question asks for is copied from the tokens after it) and the
-    other half the most read of the rest (the tokens every later query keeps reading: a document compressed
-    before its questions has no other sign of them; on the embedded model's 4K held-out text, rows by
-    ``read`` alone gave KL 0.0070 against 0.0114 by 33-token pools)."""
+    ``importance`` pools it over neighbours), ``read_share`` of the rows are the most read tokens, the others
+    the highest by ``importance`` (the spans around the strongest reads: a fact the question asks for is copied
+    from the tokens after it). The most read tokens are the ones later queries keep reading: a document
+    compressed before its questions has no other sign of them (on the embedded model's 4K held-out text, rows
+    by ``read`` alone gave KL 0.0070 against 0.0114 by 33-token pools)."""
     n = importance.shape[-1]
     count = min(n, math.ceil(fraction * n - 1e-9))  # 1e-9: 0.035 * 200 is not 7
     if count == 0:
         return None
-    index = top_rows(importance, count, read).sort(dim=-1).values  # [B, H_kv, m]
+    index = top_rows(importance, count, read, read_share).sort(dim=-1).values  # [B, H_kv, m]
     tokens = index if kept is None else kept[index]
     rows = tokens.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
     def store(x: torch.Tensor) -> torch.Tensor | GroupCode:
@@ -152,12 +152,12 @@ def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return SalientTokens(index.to(torch.int32), store(key.gather(2, rows)), store(value.gather(2, rows)))
 
 
-def top_rows(importance: torch.Tensor, count: int, read: torch.Tensor | None) -> torch.Tensor:
-    """``[B, H_kv, count]`` rows: the ``count`` highest by ``importance``, or with ``read``, half of them (rounded
-    up) by ``importance`` and the rest the highest by ``read`` among the others."""
+def top_rows(importance: torch.Tensor, count: int, read: torch.Tensor | None, read_share: float) -> torch.Tensor:
+    """``[B, H_kv, count]`` rows: the ``count`` highest by ``importance``, or with ``read``, ``read_share`` of them
+    (rounded down) the highest by ``read`` and the others the highest by ``importance`` before them."""
     if read is None:
         return importance.topk(count, dim=-1).indices
-    spans = importance.topk((count + 1) // 2, dim=-1).indices
+    spans = importance.topk(count - int(read_share * count), dim=-1).indices
     rest = read.scatter(-1, spans, float("-inf")).topk(count - spans.shape[-1], dim=-1).indices
     return torch.cat([spans, rest], dim=-1)
 
