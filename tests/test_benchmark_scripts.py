@@ -49,6 +49,19 @@ def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, ca
         script.main(["smol", "160"])
 
 
+def test_shard_ratio_tables_match_their_readme(capsys):
+    """benchmarks/shard-ratio/table.py draws each of the README's tables from the JSONL file named above it."""
+    script = load_script("benchmarks/shard-ratio/table.py")
+    folder = ROOT / "benchmarks" / "shard-ratio"
+    readme = (folder / "README.md").read_text()
+    for name in ("smollm2-8k.jsonl", "qwen2.5-1.5b-4k.jsonl", "qwen2.5-1.5b-8k.jsonl", "keys-values-smollm2-4k.jsonl"):
+        script.main([str(folder / name)])
+        table = capsys.readouterr().out.strip()
+        assert table.count("\n") >= 2 and table in readme, name
+    with pytest.raises(SystemExit):
+        script.main([])
+
+
 def test_cold_start_measure_writes_its_phases(tmp_path, capsys):
     """benchmarks/cold_start/measure.py in this process (its phases then time a warm start)."""
     script = load_script("benchmarks/cold_start/measure.py")
