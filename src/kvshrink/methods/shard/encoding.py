@@ -173,8 +173,8 @@ class ShardEncoding:
                      cold: bool = False, read: torch.Tensor | None = None) -> MiddleBlock:
         """A `MiddleBlock` of the tokens ``keep [span]`` marks (all when None), its salient rows the most
         important of them when ``importance [B, H_kv, span]`` is given (``salient`` of ``salient_of`` tokens when
-        the block holds part of them: the hot part of a split), half of them by the attention ``read`` itself when
-        given (``salient_read`` of them, see `pick_salient`); coded at the cold budget when ``cold``."""
+        the block holds part of them: the hot part of a split; ``salient_read`` of them by the attention ``read``
+        itself when given, see `pick_salient`); coded at the cold budget when ``cold``."""
         span, rows = key.shape[2], None if keep is None else keep.nonzero().squeeze(-1)
         bits = self.shared.layer_key_bits[self.layer_idx]
         if cold:
@@ -243,7 +243,7 @@ class ShardEncoding:
 
     def encode_values(self, value: torch.Tensor, rows: torch.Tensor | None = None,
                       codebook: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Values ``[B, H_kv, span, d]`` (all rows, or the block rows ``rows`` only) -> packed VQ indices,
         the codebook (``codebook``'s group size, by default the shared `v_codebook`), per-(head, channel) scales
         and, with ``v_centre``, each head's mean ``[H_kv, d]`` (fp16) the codes are taken less of (else None).
@@ -275,7 +275,7 @@ class ShardEncoding:
         def rotated(s: int):
             """``(first row, rotated values less the mean [B, m, d])`` of head ``s``, block rows in chunks."""
             for i, x in head_rows(s):
-                yield i, rotate(x - mean[s].float())
+                yield i, rotate(x - mean[s].float() if self.cfg.v_centre else x)
 
         power = torch.stack([sum(x.pow(2).sum(dim=(0, 1)) for _, x in rotated(s)) for s in range(h)])
         scale = (power / (b * n)).sqrt().clamp_min(1e-6).to(torch.float16)            # [H, d]
