@@ -231,8 +231,7 @@ def test_query_weighted_keys_store_a_per_channel_scale_from_the_queries():
 
 
 def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exact():
-    from kvshrink.methods.shard.salient import pick_salient
-    from kvshrink.methods.shard.salient import observed_importance
+    from kvshrink.methods.shard.salient import observed_attention, pick_salient, pooled
 
     g = torch.Generator().manual_seed(0)
     b, h, n, d = 2, 2, 200, 16
@@ -243,7 +242,7 @@ def test_salient_tokens_are_the_ones_the_last_queries_attend_to_and_are_held_exa
     for i in range(b):
         for j in range(h):
             key[i, j, needles[i, j]] = observer[i, j].mean(0) * 60
-    importance = observed_importance(observer, key, 0.25, pool=3)
+    importance = pooled(observed_attention(observer, key, 0.25), 3)
     chosen = pick_salient(importance, key, value, fraction=0.035, dtype=torch.float16)  # 7 rows
     assert chosen.index.shape == (b, h, 7) and chosen.index.dtype == torch.int32
     for i in range(b):
@@ -662,14 +661,14 @@ def test_evicted_tokens_coded_later_get_the_codes_of_the_prompt_s_chunk(scope):
 
 
 def test_eviction_keeps_the_needle_the_last_queries_read_and_its_neighbours():
-    from kvshrink.methods.shard.salient import observed_importance, tokens_to_keep
+    from kvshrink.methods.shard.salient import observed_attention, pooled, tokens_to_keep
 
     g = torch.Generator().manual_seed(0)
     key = torch.randn(1, 2, 300, 16, generator=g)
     observer = torch.randn(1, 2, 6, 16, generator=g) * 0.1
     key[0, 0, 120] = observer[0, 0].mean(0) * 60                        # head 0's needle
     key[0, 1, 200] = observer[0, 1].mean(0) * 60                        # head 1's needle
-    keep = tokens_to_keep(observed_importance(observer, key, 0.25, pool=5), 0.3)
+    keep = tokens_to_keep(pooled(observed_attention(observer, key, 0.25), 5), 0.3)
     assert (~keep).sum() > 60                                           # much of the haystack goes
     assert keep[118:123].all() and keep[198:203].all()                  # each needle and its pooled neighbours stay
 

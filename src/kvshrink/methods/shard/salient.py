@@ -98,11 +98,6 @@ def salient_partials(query: torch.Tensor, held: list[SalientTokens], scaling: fl
 _OBSERVE_ROWS = 16
 
 
-def observed_importance(observer: torch.Tensor, keys: torch.Tensor, scaling: float, pool: int) -> torch.Tensor:
-    """``[B, H_kv, n]``: `observed_attention` max-pooled over ``pool`` neighbouring tokens (`pooled`)."""
-    return pooled(observed_attention(observer, keys, scaling), pool)
-
-
 def pooled(read: torch.Tensor, pool: int) -> torch.Tensor:
     """``read [B, H_kv, n]`` max-pooled over ``pool`` neighbouring tokens (a fact spans several tokens, and its
     neighbours are what gets copied next)."""
@@ -126,7 +121,7 @@ def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                  dtype: torch.dtype, kept: torch.Tensor | None = None, held: str = "exact",
                  read: torch.Tensor | None = None, read_share: float = 0.5) -> SalientTokens | None:
     """The ``ceil(fraction * n)`` block rows per KV head of highest ``importance [B, H_kv, n]`` (see
-    `observed_importance`), sorted by row, with their keys and values from ``key/value [B, H_kv, span, d]``:
+    `pooled` `observed_attention`), sorted by row, with their keys and values from ``key/value [B, H_kv, span, d]``:
     block row ``i`` is token ``kept[i]`` of the span when some were evicted, else token ``i``. ``held``
     (`SALIENT_DTYPES`): stored in ``dtype``, or as 8-bit codes per token vector.
 
