@@ -62,6 +62,21 @@ def test_shard_ratio_tables_match_their_readme(capsys):
         script.main([])
 
 
+def test_value_error_finds_the_common_part_of_the_values_worth_removing(tmp_path, monkeypatch, capsys):
+    """benchmarks/shard-ratio/value_error.py on a short prefix: values coded less their mean miss by less."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "shard-ratio"))
+    script = load_script("benchmarks/shard-ratio/value_error.py")
+    monkeypatch.setattr(script, "LENGTH", 300)
+    out = tmp_path / "value.jsonl"
+    script.main(["smol", str(out)])
+    record = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
+    assert 0 <= record["mean_share_min"] <= record["mean_share_median"] <= record["mean_share_max"] < 1
+    assert record["vq2_centred_vs_vq2"] < 1 and record["pca1.5_vs_vq2"] > record["pca2.0_vs_vq2"] > 0
+    with pytest.raises(SystemExit):
+        script.main(["smol"])
+
+
 def test_cold_start_measure_writes_its_phases(tmp_path, capsys):
     """benchmarks/cold_start/measure.py in this process (its phases then time a warm start)."""
     script = load_script("benchmarks/cold_start/measure.py")

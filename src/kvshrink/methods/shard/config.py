@@ -30,7 +30,7 @@ class ShardConfig:
     v_group: int = option(4, "channels per value VQ group (must divide the head size)", low=1)
     v_codebook: int = option(256, "value VQ codebook entries (power of two, 2..256)", low=2, high=256)
     v_centre: bool = option(False, "code each KV head's values less their mean over the block (stored in fp16, "
-                            "added back by attention): values share a common part of 5-50% of their energy, which "
+                            "added back by attention): values share a common part of 2-54% of their energy, which "
                             "a codebook centred on zero spends its levels on")
     v_fit: str = option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
                         "per block on a sample)", choices=V_FITS)

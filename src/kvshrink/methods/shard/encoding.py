@@ -248,9 +248,10 @@ class ShardEncoding:
         the codebook (``codebook``'s group size, by default the shared `v_codebook`), per-(head, channel) scales
         and, with ``v_centre``, each head's mean ``[H_kv, d]`` (fp16) the codes are taken less of (else None).
 
-        A head's values share a common part (5-50% of their energy on the embedded model and on Qwen2.5), which
+        A head's values share a common part (2-54% of their energy on the embedded model and on Qwen2.5), which
         a codebook centred on zero spends its levels on; coding them less it cut the value error by 12%
-        (SmolLM2) and 8% (Qwen2.5) at 2 bits, and attention adds it back exactly.
+        (SmolLM2) and 7% (Qwen2.5) at 2 bits (benchmarks/shard-ratio/value_error.py), and attention adds it
+        back exactly.
 
         One head and ``_VALUE_ROWS`` tokens at a time (the rotation is redone rather than kept), so a
         layer's rotated values never exist at once; only ``v_fit="kmeans"`` rotates the whole layer to
