@@ -84,9 +84,6 @@ class ShardConfig:
                          "cheaper, in a block of their own: keys at `cold_key_bits`, values in VQ groups of "
                          "`cold_v_group` channels (how many is decided by how peaked the layer's attention is; "
                          "0 = every middle token coded alike)", low=0, high=1)
-    cold_tokens: float = option(1.0, "largest share of a block's stored tokens coded cold (see `cold`): where attention "
-                                "is peaked, `cold`'s share of it alone takes nearly every token, and tokens the prompt's "
-                                "last queries barely read are still read by later ones", low=0, high=1)
     cold_key_bits: float = option(1.0, "bits per key element of the cold tokens (see `cold`; scaled with the layer's "
                                   "budget when key_alloc='global')", low=0, high=8, low_open=True)
     cold_v_group: int = option(8, "channels per value VQ group of the cold tokens (see `cold`; `v_codebook` "

@@ -135,8 +135,7 @@ class ShardEncoding:
             else keep
         rows = stored.nonzero().squeeze(-1)
         hot = torch.zeros_like(stored)
-        least_hot = rows.numel() - math.floor(self.cfg.cold_tokens * rows.numel() + 1e-9)
-        hot[rows] = tokens_to_keep(importance.index_select(2, rows), self.cfg.cold, least_hot)
+        hot[rows] = tokens_to_keep(importance.index_select(2, rows), self.cfg.cold)
         cold = int(stored.sum()) - int(hot.sum())
         if cold < self.cfg.min_block or int(hot.sum()) < self.cfg.min_block:
             return None
