@@ -91,3 +91,42 @@ def test_cold_start_measure_writes_its_phases(tmp_path, capsys):
     assert record["code"] is None or len(record["code"]) >= 7
     assert set(record) <= set(json.loads((ROOT / "benchmarks/cold_start/results.jsonl").read_text()
                                          .splitlines()[0])) | {"method"}
+
+
+def test_read_prediction_measures_each_layer(tmp_path, monkeypatch, capsys):
+    """benchmarks/shard-ratio/read_prediction.py on a short prefix: one record per layer; more cold share
+    takes more tokens and more of the later reads, and the most read tokens hold more than their share."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "shard-ratio"))
+    script = load_script("benchmarks/shard-ratio/read_prediction.py")
+    out = tmp_path / "reads.jsonl"
+    script.main(["smol", "400", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["layer"] for r in records] == list(range(30))
+    for r in records:
+        cold = [r[f"cold={c}"] for c in script.COLD_SHARES]
+        assert all(a["frac"] <= b["frac"] and a["cont"] <= b["cont"] + 1e-4 for a, b in zip(cold, cold[1:]))
+        assert all(0 <= c["proxy"] <= 1 and c["cont"] <= 1 for c in cold)
+        for s in script.SALIENT_SHARES:
+            assert r[f"salient={s}"]["self"] >= s - 1e-4 and 0 < r[f"salient={s}"]["cont"] <= 1
+    assert "cold=0.1" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.main(["smol", "80", str(out)])
+
+
+def test_needle_margin_of_full_is_its_own_answer_margin(tmp_path, capsys):
+    """benchmarks/shard-ratio/needle_margin.py on one short needle: ``full`` teacher-forced along its own answer
+    keeps its own margin, and each spec gets one, in one record per needle."""
+    script = load_script("benchmarks/shard-ratio/needle_margin.py")
+    out = tmp_path / "margins.jsonl"
+    script.main(["600", "0", "50", str(out), "full", "kivi:bits=2"])
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
+    assert record["expected"] in record["full"] and record["full_min"] > 0
+    assert record["specs"]["full"] == pytest.approx(record["full_min"], abs=1e-3)
+    assert isinstance(record["specs"]["kivi:bits=2"], float)
+    script.main(["table", str(out)])
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 5 and "`kivi:bits=2`" in table[0] and table[2].startswith("| 0, 50% |")
+    assert table[-1] == f"| answered otherwise | | 0 | {int(record['specs']['kivi:bits=2'] < 0)} |"
+    with pytest.raises(SystemExit):
+        script.main(["600", "0", "50", str(out)])
