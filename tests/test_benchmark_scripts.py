@@ -49,6 +49,27 @@ def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, ca
         script.main(["smol", "160"])
 
 
+def test_kl_continuation_calibrates_each_shard_spec_under_kl_budget(tmp_path, monkeypatch):
+    """With KL_BUDGET set, a Shard spec's options go through calibrate_shard first, and the record says what it
+    chose (a short calibration text here: the rule, not the figure, is under test)."""
+    import kvshrink
+    from kvshrink.methods.shard import sensitivity
+
+    script = load_script("benchmarks/shard-ratio/kl_continuation.py")
+    monkeypatch.setattr(sensitivity, "PREFIX_TOKENS", 256)
+    monkeypatch.setattr(sensitivity, "CONTINUATION_TOKENS", 32)
+    monkeypatch.setenv("KL_BUDGET", "1e9")
+    out = tmp_path / "kl.jsonl"
+    script.main(["smol", "160", str(out), "shard:evict=0,sinks=4,min_block=32"])
+    record = json.loads(out.read_text())
+    assert record["spec"] == "shard:evict=0,sinks=4,min_block=32" and record["kl_budget"] == 1e9
+    assert record["calibrated"] == sensitivity.calibrate_shard(
+        *kvshrink.load_model(), kl_budget=1e9, evict="0", sinks="4", min_block="32").spec
+    assert len(record["calibration_kl"]) == 1                     # the cheapest rung was within the budget
+    with pytest.raises(SystemExit, match="not a shard spec"):
+        script.main(["smol", "160", str(out), "kivi:bits=2"])
+
+
 def test_shard_ratio_tables_match_their_readme(capsys):
     """benchmarks/shard-ratio/table.py draws each of the README's tables from the JSONL file named above it."""
     script = load_script("benchmarks/shard-ratio/table.py")

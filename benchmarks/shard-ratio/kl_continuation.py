@@ -9,7 +9,8 @@ distributions (the prefix's last one and 63 of the continuation's) are compared 
     python benchmarks/shard-ratio/kl_continuation.py MODEL LENGTH OUT.jsonl SPEC [SPEC ...]
 
 MODEL: ``smol`` (the embedded SmolLM2-135M-Instruct) or a model path; ``DTYPE`` (environment): float32 (default)
-or bfloat16. One JSON line per spec is appended to OUT.jsonl. ``full``'s distributions are kept next to OUT
+or bfloat16; ``KL_BUDGET`` (environment): when set, each Shard spec's options go through
+``calibrate_shard`` with that budget first (the record names the options it chose). One JSON line per spec is appended to OUT.jsonl. ``full``'s distributions are kept next to OUT
 and reused by later runs of the same model, length and dtype.
 """
 import json
@@ -21,6 +22,7 @@ import torch
 
 import kvshrink
 from kvshrink.cache import parse_method_spec
+from kvshrink.methods.shard.sensitivity import calibrate_shard, continuation_logprobs, kl_per_token
 
 LICENSES = ["GPL-3", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "LGPL-2.1", "GPL-2"]
 CONTINUATION = 64
@@ -30,14 +32,22 @@ def held_out_text() -> str:
     return "\n\n".join(open(f"/usr/share/common-licenses/{name}").read() for name in LICENSES)
 
 
-def next_token_logprobs(model, prefix, continuation, cache):
-    """``[CONTINUATION, vocab]`` log-probabilities, and the cache's ratio and byte breakdown after the prefix."""
-    with torch.no_grad():
-        first = model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
-        ratio = getattr(cache, "compression_ratio", lambda: None)()
-        parts = {k: v for k, v in cache.breakdown().items() if v} if hasattr(cache, "breakdown") else None
-        rest = model(continuation[:, :-1], past_key_values=cache, use_cache=True).logits
-    return torch.cat([first, rest], 1).float().log_softmax(-1)[0], ratio, parts
+def measure(model, prefix, continuation, cache):
+    """``[CONTINUATION, vocab]`` log-probabilities, and the cache's ratio and byte breakdown after the prefix
+    (read between the prefill and the teacher-forced continuation)."""
+    seen = {}
+
+    def after_prefill(_module, _args, _kwargs, _output):
+        if not seen and hasattr(cache, "breakdown"):
+            seen["ratio"] = cache.compression_ratio()
+            seen["parts"] = {k: v for k, v in cache.breakdown().items() if v}
+
+    hook = model.register_forward_hook(after_prefill, with_kwargs=True)
+    try:
+        logprobs = continuation_logprobs(model, prefix, continuation, cache)
+    finally:
+        hook.remove()
+    return logprobs, seen.get("ratio"), seen.get("parts")
 
 
 def main(argv=None):
@@ -57,19 +67,28 @@ def main(argv=None):
         ref = torch.load(ref_path)
     else:
         from transformers import DynamicCache
-        ref = next_token_logprobs(model, prefix, continuation, DynamicCache())[0]
+        ref = continuation_logprobs(model, prefix, continuation, DynamicCache())
         torch.save(ref, ref_path)
+    budget = float(os.environ.get("KL_BUDGET", 0))
     for spec in specs:
         start = time.time()
         method, options = parse_method_spec(spec)
-        logprobs, ratio, parts = next_token_logprobs(model, prefix, continuation,
-                                                     kvshrink.make_cache(method, model, **options))
-        kl = float((ref.exp() * (ref - logprobs)).sum(-1).mean())
+        calibration = None
+        if budget:
+            if method != "shard":
+                raise SystemExit(f"KL_BUDGET calibrates Shard's options; {spec!r} is not a shard spec")
+            calibration = calibrate_shard(model, tok, budget, **options)
+            options = calibration.options
+        logprobs, ratio, parts = measure(model, prefix, continuation, kvshrink.make_cache(method, model, **options))
+        kl = kl_per_token(ref, logprobs)
         top1 = float((ref.argmax(-1) == logprobs.argmax(-1)).float().mean() * 100)
         total = sum(parts.values())
         record = dict(model=model_path, dtype=dtype, length=length, spec=spec, ratio=round(ratio, 3),
                       kl=round(kl, 5), top1=top1, seconds=round(time.time() - start, 1),
                       share={k: round(v / total, 3) for k, v in parts.items()})
+        if calibration is not None:
+            record.update(kl_budget=budget, calibrated=calibration.spec,
+                          calibration_kl=[round(kl, 5) for _, kl in calibration.tried])
         print(json.dumps(record), flush=True)
         with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")

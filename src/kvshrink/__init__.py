@@ -12,10 +12,11 @@
 import kvshrink.methods  # noqa: E402,F401  (registers the built-in methods)
 from kvshrink.cache import CacheReuseError, KVShrinkCache, make_cache, methods, parse_method_spec
 from kvshrink.cache.persist import CacheFileError, load_cache
+from kvshrink.methods.shard.sensitivity import calibrate_shard
 from kvshrink.models import describe_model, load_model
 from kvshrink.store import CacheStore
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheFileError", "CacheReuseError", "CacheStore", "KVShrinkCache", "describe_model", "load_cache", "load_model",
+__all__ = ["CacheFileError", "CacheReuseError", "CacheStore", "KVShrinkCache", "calibrate_shard", "describe_model", "load_cache", "load_model",
            "make_cache", "methods", "parse_method_spec", "__version__"]

@@ -348,6 +348,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvshrink import load_model
+    from kvshrink.methods.shard.sensitivity import calibrate_shard, check_calibration
+
+    options = _parse_options(args.option)
+    check_calibration(args.kl_budget, options)  # fail before loading the model
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    calibration = calibrate_shard(model, tokenizer, args.kl_budget, **options)
+    for rung, kl in calibration.tried:
+        verdict = "within" if kl <= args.kl_budget else "beyond"
+        print(f"{','.join(f'{k}={v}' for k, v in rung.items())}: KL {kl:.5f} nats ({verdict} the budget)",
+              file=sys.stderr)
+    print(calibration.spec)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvshrink.cache.registry import split_specs
     from kvshrink.demo import run_demo
@@ -414,6 +430,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk of the fresh-prefill comparison")
     add_device_arguments(p)
     p.set_defaults(func=_cmd_ask)
+
+    from kvshrink.methods.shard.sensitivity import DEFAULT_KL_BUDGET
+
+    p = sub.add_parser("calibrate", help="print Shard's options for a model: the cheapest ladder setting within a KL "
+                                         "budget on a calibration text (a method spec for --method/--methods)")
+    p.add_argument("--kl-budget", type=float, default=DEFAULT_KL_BUDGET,
+                   help=f"KL(full || shard) in nats per token (default {DEFAULT_KL_BUDGET})")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="another Shard option the ladder's settings add to (repeatable, or comma separated)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2)")
+    add_device_arguments(p)
+    p.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("demo", help="needle-in-a-haystack demo on the embedded model")
     p.add_argument("--length", type=int, default=3000, help="prompt length in tokens")

@@ -56,6 +56,9 @@ def usable_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+TOKENIZER_ATTRIBUTE = "kvshrink_tokenizer"  # set by `load_model`: what a calibration tokenizes its text with
+
+
 def load_model(name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = torch.float32,
                device: str | torch.device | None = None):
     """``(model, tokenizer)``: the embedded SmolLM2-135M-Instruct by default, loaded offline.
@@ -91,7 +94,18 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: str | torch
         model.to(device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    setattr(model, TOKENIZER_ATTRIBUTE, tokenizer)
     return model, tokenizer
+
+
+def model_tokenizer(model: torch.nn.Module, needed_by: str):
+    """The tokenizer `load_model` attached to ``model`` (or a caller did, as ``model.kvshrink_tokenizer``);
+    ValueError naming ``needed_by`` when there is none."""
+    tokenizer = getattr(model, TOKENIZER_ATTRIBUTE, None)
+    if tokenizer is None:
+        raise ValueError(f"{needed_by} runs the model on a calibration text and needs its tokenizer: load the model "
+                         f"with kvshrink.load_model (which attaches it), or set model.{TOKENIZER_ATTRIBUTE} = tokenizer")
+    return tokenizer
 
 
 def _text_config(model: torch.nn.Module):

@@ -95,6 +95,7 @@ from kvshrink.cache.registry import register_method
 from kvshrink.methods.shard.calibration import global_key_budgets
 from kvshrink.methods.shard.config import ShardConfig
 from kvshrink.methods.shard.layer import ShardLayer
+from kvshrink.methods.shard.sensitivity import calibrated_options
 from kvshrink.methods.shard.shared import ShardShared
 
 
@@ -102,6 +103,8 @@ def _build(model: torch.nn.Module, info, **options):
     from kvshrink.cache.base import KVShrinkCache
     from kvshrink.cache.integration import install
 
+    if options["kl_budget"] > 0:  # the ladder's options chosen for this model; the cache records them
+        options = calibrated_options(model, options)
     cfg = ShardConfig(**options)
     cfg.validate(info.head_dim, info.num_kv_heads)
     shared = ShardShared(cfg, info.num_layers, info.head_dim, info.num_kv_heads)

@@ -1,0 +1,150 @@
+"""How far a model's answers move under Shard's coding, measured once per model: `calibrate_shard` picks the
+cheapest setting of a short ladder whose KL(full || shard) on a calibration text stays within a budget.
+
+Models read their contexts alike (the same share of attention lands on the tokens Shard codes cheaply), but
+they differ several-fold in how far their next-token distributions move for the same coding error. A fixed
+setting is then either too careful for the tolerant model or too lossy for the sensitive one; the budget is
+the one number both share. The calibration text is Python standard library source (present wherever Python
+is, nothing to download; the tokenizer makes it the model's own tokens): a prefix is prefilled keeping every
+token, a continuation teacher-forced, and its next-token distributions compared with the model's uncached
+ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import weakref
+from dataclasses import dataclass, fields
+
+import torch
+
+from kvshrink.methods.shard.config import ShardConfig
+from kvshrink.models import model_tokenizer
+
+# Settings of the compressed middle, the cheapest first: fewer 8-bit salient rows, more attention coded
+# cold at fewer bits, a shorter exact window. The last one is the fallback when none is within the budget.
+LADDER: tuple[dict[str, float | int], ...] = (
+    dict(window=16, salient=0.01, cold=0.1, cold_key_bits=0.75),
+    dict(window=32, salient=0.05, cold=0.05, cold_key_bits=1.0),
+)
+LADDER_OPTIONS = frozenset(name for rung in LADDER for name in rung)
+CALIBRATION_MODULES = ("textwrap", "argparse", "json.decoder", "pathlib", "dataclasses", "functools")
+DEFAULT_KL_BUDGET = 0.012
+PREFIX_TOKENS = 2048
+CONTINUATION_TOKENS = 256
+
+
+@dataclass
+class ShardCalibration:
+    """What `calibrate_shard` measured: the options chosen, and the KL of each rung tried (cheapest first)."""
+
+    options: dict
+    kl_budget: float
+    tried: list[tuple[dict, float]]
+
+    @property
+    def spec(self) -> str:
+        """The chosen options as a method spec (``shard:key=value,...``), for the CLI and the evaluation."""
+        return "shard:" + ",".join(f"{k}={_spec_value(v)}" for k, v in self.options.items())
+
+
+def _spec_value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def calibration_text() -> str:
+    """The calibration text: the source of a few standard library modules, joined by blank lines."""
+    return "\n\n".join(inspect.getsource(importlib.import_module(name)) for name in CALIBRATION_MODULES)
+
+
+def continuation_logprobs(model: torch.nn.Module, prefix: torch.Tensor, continuation: torch.Tensor,
+                          cache) -> torch.Tensor:
+    """``[n, vocab]`` float32 log-probabilities of the ``n`` tokens after ``prefix``: ``prefix`` prefilled into
+    ``cache`` in one call, then ``continuation[:, :-1]`` teacher-forced in one more (the prefix's last
+    distribution and the continuation's own, ``n = continuation`` length)."""
+    with torch.no_grad():
+        first = model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
+        rest = model(continuation[:, :-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([first, rest], 1).float().log_softmax(-1)[0]
+
+
+def kl_per_token(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
+    """Mean KL(reference || logprobs) in nats per token, both ``[n, vocab]`` log-probabilities."""
+    return float((reference.exp() * (reference - logprobs)).sum(-1).mean())
+
+
+def check_calibration(kl_budget: float, options: dict) -> None:
+    """ValueError naming what is wrong with a calibration's budget or options (before any model runs)."""
+    from kvshrink.cache.registry import get_method, resolve_options
+
+    if not kl_budget > 0:
+        raise ValueError(f"calibrate_shard: kl_budget must be a KL above 0 nats per token, got {kl_budget!r}")
+    if "kl_budget" in options:
+        raise ValueError("calibrate_shard: the budget is its own argument (kl_budget, or --kl-budget), not an option")
+    chosen_by_ladder = sorted(LADDER_OPTIONS & set(options))
+    if chosen_by_ladder:
+        raise ValueError(f"calibrate_shard chooses {sorted(LADDER_OPTIONS)}; do not pass {chosen_by_ladder}")
+    resolve_options(get_method("shard"), options)  # an unknown or malformed option
+
+
+def calibrate_shard(model: torch.nn.Module, tokenizer, kl_budget: float = DEFAULT_KL_BUDGET,
+                    **options) -> ShardCalibration:
+    """Shard's options for ``model``: ``options`` with the cheapest `LADDER` rung whose KL(full || shard) on the
+    calibration text is at most ``kl_budget`` nats per token, or the last rung when none is.
+
+    ``options`` are any other Shard options (strings as in a method spec, or values); they may not name the
+    rungs' own options (``window``, ``salient``, ``cold``, ``cold_key_bits``), which this chooses. The rungs are
+    measured keeping every token (``evict=0``); the returned options keep ``evict`` as given. Costs one uncached
+    forward over ``PREFIX_TOKENS + CONTINUATION_TOKENS`` tokens and one cached forward per rung tried.
+    """
+    from transformers import DynamicCache
+
+    from kvshrink.cache.registry import make_cache
+
+    check_calibration(kl_budget, options)
+    prefix, continuation = _calibration_ids(tokenizer, model)
+    reference = continuation_logprobs(model, prefix, continuation, DynamicCache())
+    tried = []
+    for rung in LADDER:
+        cache = make_cache("shard", model, **{**options, **rung, "evict": 0})
+        kl = kl_per_token(reference, continuation_logprobs(model, prefix, continuation, cache))
+        tried.append((dict(rung), kl))
+        if kl <= kl_budget:
+            break
+    chosen = {**options, **tried[-1][0]}
+    return ShardCalibration(options=chosen, kl_budget=kl_budget, tried=tried)
+
+
+# model -> {(kl_budget, the other options): the rung chosen}: a model is measured once per budget and options
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def calibrated_options(model: torch.nn.Module, options: dict) -> dict:
+    """Shard's resolved ``options`` (``kl_budget`` above 0) with the ladder's options chosen for ``model`` and
+    ``kl_budget`` set to 0: measured by `calibrate_shard` on the first call for a model, budget and options,
+    remembered for the calls after (a cache per prompt calibrates once)."""
+    defaults = {f.name: f.default for f in fields(ShardConfig)}
+    moved = sorted(name for name in LADDER_OPTIONS if options[name] != defaults[name])
+    if moved:
+        raise ValueError(f"shard: kl_budget chooses {sorted(LADDER_OPTIONS)}; leave them at their defaults "
+                         f"(given: {', '.join(f'{name}={options[name]}' for name in moved)})")
+    others = {k: v for k, v in options.items() if k not in LADDER_OPTIONS and k != "kl_budget"}
+    key = (options["kl_budget"], tuple(sorted(others.items())))
+    chosen = _CHOSEN.setdefault(model, {})
+    if key not in chosen:
+        calibration = calibrate_shard(model, model_tokenizer(model, "shard's kl_budget"), options["kl_budget"],
+                                      **others)
+        chosen[key] = calibration.tried[-1][0]
+    return {**options, **chosen[key], "kl_budget": 0.0}
+
+
+def _calibration_ids(tokenizer, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = tokenizer(calibration_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    need = PREFIX_TOKENS + CONTINUATION_TOKENS
+    if ids.shape[1] < need:
+        raise ValueError(f"calibrate_shard: the calibration text is {ids.shape[1]} tokens with this tokenizer; "
+                         f"{need} are needed")
+    ids = ids[:, :need].to(next(model.parameters()).device)
+    return ids[:, :PREFIX_TOKENS], ids[:, PREFIX_TOKENS:]
+

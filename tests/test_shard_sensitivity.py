@@ -1,0 +1,171 @@
+"""`calibrate_shard`: the cheapest ladder rung within a KL budget, measured on the calibration text."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import kvshrink
+from kvshrink.methods.shard.config import ShardConfig
+from kvshrink.methods.shard.sensitivity import (
+    LADDER, LADDER_OPTIONS, PREFIX_TOKENS, calibrate_shard, calibration_text, continuation_logprobs, kl_per_token)
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model):
+    return real_model[1]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A tiny random model over the embedded tokenizer's vocabulary, long enough for the calibration text."""
+    return tiny_model(vocab_size=len(tokenizer), max_position_embeddings=4096)
+
+
+def test_ladder_names_shard_options_cheapest_first(model, tokenizer):
+    assert LADDER_OPTIONS <= set(ShardConfig.__dataclass_fields__)
+    assert all(set(rung) == LADDER_OPTIONS for rung in LADDER)  # every rung sets every option the ladder owns
+    ids = tokenizer(calibration_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][:, :PREFIX_TOKENS]
+    ratios = []
+    for rung in LADDER:
+        cache = kvshrink.make_cache("shard", model, evict=0, **rung)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        ratios.append(cache.compression_ratio())
+    assert ratios == sorted(ratios, reverse=True)
+
+
+def test_a_loose_budget_takes_the_cheapest_rung_after_one_try(model, tokenizer):
+    calibration = calibrate_shard(model, tokenizer, kl_budget=1e9, pca_scope="layer")
+    assert calibration.options == {"pca_scope": "layer", **LADDER[0]}
+    assert [rung for rung, _ in calibration.tried] == [LADDER[0]]
+
+
+def test_a_budget_nothing_meets_falls_back_to_the_last_rung(model, tokenizer):
+    calibration = calibrate_shard(model, tokenizer, kl_budget=1e-12)
+    assert [rung for rung, _ in calibration.tried] == list(LADDER)
+    assert calibration.options == LADDER[-1]
+    assert all(kl > 1e-12 for _, kl in calibration.tried)
+
+
+def test_the_budget_splits_at_the_cheapest_rungs_kl(model, tokenizer):
+    cheapest_kl = calibrate_shard(model, tokenizer, kl_budget=1e-12).tried[0][1]
+    within = calibrate_shard(model, tokenizer, kl_budget=cheapest_kl * 1.001)
+    beyond = calibrate_shard(model, tokenizer, kl_budget=cheapest_kl * 0.999)
+    assert within.options == LADDER[0] and len(within.tried) == 1
+    assert beyond.options == LADDER[-1] and len(beyond.tried) == len(LADDER)
+    assert within.tried[0][1] == pytest.approx(cheapest_kl, rel=1e-6)  # the same measurement each time
+
+
+def test_the_reported_kl_is_the_chosen_caches(model, tokenizer):
+    calibration = calibrate_shard(model, tokenizer, kl_budget=1e-12, key_bits="1.5")
+    ids = tokenizer(calibration_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    prefix, continuation = ids[:, :PREFIX_TOKENS], ids[:, PREFIX_TOKENS:PREFIX_TOKENS + 256]
+    from transformers import DynamicCache
+
+    reference = continuation_logprobs(model, prefix, continuation, DynamicCache())
+    cache = kvshrink.make_cache("shard", model, **calibration.options, evict=0)
+    measured = kl_per_token(reference, continuation_logprobs(model, prefix, continuation, cache))
+    assert measured == pytest.approx(calibration.tried[-1][1], rel=1e-5)
+    assert kl_per_token(reference, reference) == 0.0
+
+
+def test_the_callers_options_are_kept_and_not_mutated(model, tokenizer):
+    options = {"evict": "0.2", "v_centre": "true"}
+    calibration = calibrate_shard(model, tokenizer, kl_budget=1e9, **options)
+    assert options == {"evict": "0.2", "v_centre": "true"}
+    assert calibration.options["evict"] == "0.2"
+    assert calibration.spec.startswith("shard:evict=0.2,v_centre=true,window=")
+    method, parsed = kvshrink.parse_method_spec(calibration.spec)
+    kvshrink.make_cache(method, model, **parsed)  # the spec is a valid method spec
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kl_budget=0), "kl_budget must be a KL above 0"),
+    (dict(kl_budget=0.01, cold=0.2), "do not pass \\['cold'\\]"),
+    (dict(kl_budget=0.01, colour=1), "unknown option"),
+    (dict(kl_budget=0.01, key_bits="many"), "key_bits"),
+])
+def test_bad_input_fails_before_any_forward(model, tokenizer, kwargs, message):
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=message):
+            calibrate_shard(model, tokenizer, **kwargs)
+    finally:
+        hook.remove()
+    assert not calls
+
+
+def test_the_cli_prints_the_chosen_spec(model, tokenizer, monkeypatch, capsys):
+    from kvshrink.cli import main
+
+    monkeypatch.setattr(kvshrink, "load_model", lambda *args, **kwargs: (model, tokenizer))
+    assert main(["calibrate", "--kl-budget", "1e-12", "--option", "key_bits=1.5"]) == 0
+    out, err = capsys.readouterr()
+    expected = calibrate_shard(model, tokenizer, kl_budget=1e-12, key_bits="1.5")
+    assert out.strip() == expected.spec
+    assert err.count("beyond the budget") == len(LADDER)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kl-budget", "-1"], "kl_budget must be a KL above 0"),
+    (["--option", "kl_budget=0.02"], "its own argument"),
+    (["--option", "window=8"], "do not pass \\['window'\\]"),
+])
+def test_the_cli_refuses_bad_input_before_loading_a_model(monkeypatch, capsys, argv, message):
+    from kvshrink.cli import main
+
+    monkeypatch.setattr(kvshrink, "load_model", lambda *args, **kwargs: pytest.fail("loaded a model"))
+    assert main(["calibrate", *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.fixture()
+def model_with_tokenizer(tokenizer):
+    """A fresh tiny model (nothing remembered for it yet) carrying the tokenizer, as `load_model` leaves one."""
+    model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=4096)
+    model.kvshrink_tokenizer = tokenizer
+    return model
+
+
+def test_kl_budget_chooses_the_rung_once_per_model_and_records_it(model_with_tokenizer, tokenizer, tmp_path):
+    model = model_with_tokenizer
+    expected = calibrate_shard(model, tokenizer, kl_budget=1e-12, key_bits="1.5")
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    try:
+        cache = kvshrink.make_cache("shard", model, kl_budget=1e-12, key_bits=1.5)
+        measured = len(forwards)
+        again = kvshrink.make_cache("shard", model, kl_budget=1e-12, key_bits=1.5)
+    finally:
+        hook.remove()
+    assert measured == 2 * (1 + len(LADDER))  # full and each rung: a prefill and a teacher-forced continuation
+    assert len(forwards) == measured          # remembered: no forward the second time
+    for made in (cache, again):
+        assert {k: made.options[k] for k in LADDER_OPTIONS} == LADDER[-1] and made.options["kl_budget"] == 0
+        assert expected.options == {"key_bits": "1.5", **LADDER[-1]}
+        assert made.options["key_bits"] == 1.5
+    ids = tokenizer("def f(x):\n    return x" * 40, return_tensors="pt")["input_ids"][:, :300]
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    cache.save(tmp_path / "doc.kvs")
+    loaded = kvshrink.load_cache(tmp_path / "doc.kvs", model)  # the saved options are the chosen ones
+    assert loaded.options == cache.options
+
+
+def test_kl_budget_with_a_ladder_option_or_without_a_tokenizer_is_refused(model_with_tokenizer):
+    with pytest.raises(ValueError, match="kl_budget chooses .*given: window=8"):
+        kvshrink.make_cache("shard", model_with_tokenizer, kl_budget=0.01, window=8)
+    bare = tiny_model(vocab_size=128)
+    with pytest.raises(ValueError, match="needs its tokenizer.*kvshrink.load_model"):
+        kvshrink.make_cache("shard", bare, kl_budget=0.01)
+    assert kvshrink.make_cache("shard", bare).options["kl_budget"] == 0  # off by default: nothing measured
+
+
+def test_load_model_attaches_its_tokenizer(real_model):
+    model, tokenizer = real_model
+    assert model.kvshrink_tokenizer is tokenizer
