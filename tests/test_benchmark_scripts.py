@@ -52,7 +52,6 @@ def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, ca
 def test_kl_continuation_calibrates_each_shard_spec_under_kl_budget(tmp_path, monkeypatch):
     """With KL_BUDGET set, a Shard spec's options go through calibrate_shard first, and the record says what it
     chose (a short calibration text here: the rule, not the figure, is under test)."""
-    import kvshrink
     from kvshrink.methods.shard import sensitivity
 
     script = load_script("benchmarks/shard-ratio/kl_continuation.py")
@@ -63,8 +62,8 @@ def test_kl_continuation_calibrates_each_shard_spec_under_kl_budget(tmp_path, mo
     script.main(["smol", "160", str(out), "shard:evict=0,sinks=4,min_block=32"])
     record = json.loads(out.read_text())
     assert record["spec"] == "shard:evict=0,sinks=4,min_block=32" and record["kl_budget"] == 1e9
-    assert record["calibrated"] == sensitivity.calibrate_shard(
-        *kvshrink.load_model(), kl_budget=1e9, evict="0", sinks="4", min_block="32").spec
+    cheapest = ",".join(f"{k}={v}" for k, v in sensitivity.LADDER[0].items())
+    assert record["calibrated"] == f"shard:evict=0,sinks=4,min_block=32,{cheapest}"
     assert len(record["calibration_kl"]) == 1                     # the cheapest rung was within the budget
     with pytest.raises(SystemExit, match="not a shard spec"):
         script.main(["smol", "160", str(out), "kivi:bits=2"])
@@ -75,7 +74,8 @@ def test_shard_ratio_tables_match_their_readme(capsys):
     script = load_script("benchmarks/shard-ratio/table.py")
     folder = ROOT / "benchmarks" / "shard-ratio"
     readme = (folder / "README.md").read_text()
-    for name in ("smollm2-8k.jsonl", "qwen2.5-1.5b-4k.jsonl", "qwen2.5-1.5b-8k.jsonl", "keys-values-smollm2-4k.jsonl"):
+    for name in ("smollm2-8k.jsonl", "qwen2.5-1.5b-4k.jsonl", "qwen2.5-1.5b-8k.jsonl", "keys-values-smollm2-4k.jsonl",
+                 "calibrated-87bc510.jsonl"):
         script.main([str(folder / name)])
         table = capsys.readouterr().out.strip()
         assert table.count("\n") >= 2 and table in readme, name

@@ -44,32 +44,36 @@ def test_a_loose_budget_takes_the_cheapest_rung_after_one_try(model, tokenizer):
     assert [rung for rung, _ in calibration.tried] == [LADDER[0]]
 
 
-def test_a_budget_nothing_meets_falls_back_to_the_last_rung(model, tokenizer):
-    calibration = calibrate_shard(model, tokenizer, kl_budget=1e-12)
-    assert [rung for rung, _ in calibration.tried] == list(LADDER)
-    assert calibration.options == LADDER[-1]
-    assert all(kl > 1e-12 for _, kl in calibration.tried)
+@pytest.fixture(scope="module")
+def every_rung(model, tokenizer):
+    """A calibration whose budget no rung meets: every rung tried, the last one chosen."""
+    return calibrate_shard(model, tokenizer, kl_budget=1e-12, key_bits="1.5")
 
 
-def test_the_budget_splits_at_the_cheapest_rungs_kl(model, tokenizer):
-    cheapest_kl = calibrate_shard(model, tokenizer, kl_budget=1e-12).tried[0][1]
-    within = calibrate_shard(model, tokenizer, kl_budget=cheapest_kl * 1.001)
-    beyond = calibrate_shard(model, tokenizer, kl_budget=cheapest_kl * 0.999)
-    assert within.options == LADDER[0] and len(within.tried) == 1
-    assert beyond.options == LADDER[-1] and len(beyond.tried) == len(LADDER)
+def test_a_budget_nothing_meets_falls_back_to_the_last_rung(every_rung):
+    assert [rung for rung, _ in every_rung.tried] == list(LADDER)
+    assert every_rung.options == {"key_bits": "1.5", **LADDER[-1]}
+    assert all(kl > 1e-12 for _, kl in every_rung.tried)
+
+
+def test_the_budget_splits_at_the_cheapest_rungs_kl(model, tokenizer, every_rung):
+    cheapest_kl = every_rung.tried[0][1]
+    within = calibrate_shard(model, tokenizer, kl_budget=cheapest_kl * 1.001, key_bits="1.5")
+    beyond = calibrate_shard(model, tokenizer, kl_budget=cheapest_kl * 0.999, key_bits="1.5")
+    assert within.options == {"key_bits": "1.5", **LADDER[0]} and len(within.tried) == 1
+    assert beyond.options == every_rung.options and len(beyond.tried) == len(LADDER)
     assert within.tried[0][1] == pytest.approx(cheapest_kl, rel=1e-6)  # the same measurement each time
 
 
-def test_the_reported_kl_is_the_chosen_caches(model, tokenizer):
-    calibration = calibrate_shard(model, tokenizer, kl_budget=1e-12, key_bits="1.5")
+def test_the_reported_kl_is_the_chosen_caches(model, tokenizer, every_rung):
     ids = tokenizer(calibration_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
     prefix, continuation = ids[:, :PREFIX_TOKENS], ids[:, PREFIX_TOKENS:PREFIX_TOKENS + 256]
     from transformers import DynamicCache
 
     reference = continuation_logprobs(model, prefix, continuation, DynamicCache())
-    cache = kvshrink.make_cache("shard", model, **calibration.options, evict=0)
+    cache = kvshrink.make_cache("shard", model, **every_rung.options, evict=0)
     measured = kl_per_token(reference, continuation_logprobs(model, prefix, continuation, cache))
-    assert measured == pytest.approx(calibration.tried[-1][1], rel=1e-5)
+    assert measured == pytest.approx(every_rung.tried[-1][1], rel=1e-5)
     assert kl_per_token(reference, reference) == 0.0
 
 
@@ -100,15 +104,15 @@ def test_bad_input_fails_before_any_forward(model, tokenizer, kwargs, message):
     assert not calls
 
 
-def test_the_cli_prints_the_chosen_spec(model, tokenizer, monkeypatch, capsys):
+def test_the_cli_prints_the_chosen_spec(model, tokenizer, every_rung, monkeypatch, capsys):
     from kvshrink.cli import main
 
     monkeypatch.setattr(kvshrink, "load_model", lambda *args, **kwargs: (model, tokenizer))
     assert main(["calibrate", "--kl-budget", "1e-12", "--option", "key_bits=1.5"]) == 0
     out, err = capsys.readouterr()
-    expected = calibrate_shard(model, tokenizer, kl_budget=1e-12, key_bits="1.5")
-    assert out.strip() == expected.spec
+    assert out.strip() == "shard:key_bits=1.5," + ",".join(f"{k}={v}" for k, v in LADDER[-1].items())
     assert err.count("beyond the budget") == len(LADDER)
+    assert f"KL {every_rung.tried[0][1]:.5f} nats" in err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -134,7 +138,6 @@ def model_with_tokenizer(tokenizer):
 
 def test_kl_budget_chooses_the_rung_once_per_model_and_records_it(model_with_tokenizer, tokenizer, tmp_path):
     model = model_with_tokenizer
-    expected = calibrate_shard(model, tokenizer, kl_budget=1e-12, key_bits="1.5")
     forwards = []
     hook = model.register_forward_pre_hook(lambda *args: forwards.append(1))
     try:
@@ -147,7 +150,6 @@ def test_kl_budget_chooses_the_rung_once_per_model_and_records_it(model_with_tok
     assert len(forwards) == measured          # remembered: no forward the second time
     for made in (cache, again):
         assert {k: made.options[k] for k in LADDER_OPTIONS} == LADDER[-1] and made.options["kl_budget"] == 0
-        assert expected.options == {"key_bits": "1.5", **LADDER[-1]}
         assert made.options["key_bits"] == 1.5
     ids = tokenizer("def f(x):\n    return x" * 40, return_tensors="pt")["input_ids"][:, :300]
     with torch.no_grad():
