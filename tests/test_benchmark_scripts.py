@@ -75,7 +75,7 @@ def test_shard_ratio_tables_match_their_readme(capsys):
     folder = ROOT / "benchmarks" / "shard-ratio"
     readme = (folder / "README.md").read_text()
     for name in ("smollm2-8k.jsonl", "qwen2.5-1.5b-4k.jsonl", "qwen2.5-1.5b-8k.jsonl", "keys-values-smollm2-4k.jsonl",
-                 "calibrated-87bc510.jsonl"):
+                 "calibrated-sr25-87bc510.jsonl"):
         script.main([str(folder / name)])
         table = capsys.readouterr().out.strip()
         assert table.count("\n") >= 2 and table in readme, name
