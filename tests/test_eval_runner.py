@@ -52,6 +52,7 @@ def test_rows_hold_every_figure_and_a_rerun_skips_them(tmp_path, setup):
     assert f_ppl["kl"] == 0.0 and f_ppl["top1"] == 100.0
     assert s_ppl["kl"] > 0 and 0 <= s_ppl["top1"] <= 100
     assert stream[0]["options"] == {"window": "32", "sinks": "4"}
+    assert stream[0]["cache_options"] == {"sinks": 4, "window": 32}  # resolved, as the cache ran
     again, rows2 = run(tmp_path, setup, ["streaming:window=32,sinks=4"], ["niah", "ppl", "agreement"], [300])
     assert again == 0 and len(rows2) == 10
 

@@ -10,8 +10,9 @@ distributions (the prefix's last one and 63 of the continuation's) are compared 
 
 MODEL: ``smol`` (the embedded SmolLM2-135M-Instruct) or a model path; ``DTYPE`` (environment): float32 (default)
 or bfloat16; ``KL_BUDGET`` (environment): when set, each Shard spec's options go through
-``calibrate_shard`` with that budget first (the record names the options it chose). One JSON line per spec is appended to OUT.jsonl. ``full``'s distributions are kept next to OUT
-and reused by later runs of the same model, length and dtype.
+``calibrate_shard`` with that budget first (the record names the options it chose). One JSON line per spec is
+appended to OUT.jsonl. ``full``'s distributions are kept next to OUT and reused by later runs of the same model,
+length and dtype.
 """
 import json
 import os

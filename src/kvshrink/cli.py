@@ -350,6 +350,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvshrink import load_model
+    from kvshrink.cache.registry import format_options
     from kvshrink.methods.shard.sensitivity import calibrate_shard, check_calibration
 
     options = _parse_options(args.option)
@@ -358,8 +359,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     calibration = calibrate_shard(model, tokenizer, args.kl_budget, **options)
     for rung, kl in calibration.tried:
         verdict = "within" if kl <= args.kl_budget else "beyond"
-        print(f"{','.join(f'{k}={v}' for k, v in rung.items())}: KL {kl:.5f} nats ({verdict} the budget)",
-              file=sys.stderr)
+        print(f"{format_options(rung)}: KL {kl:.5f} nats ({verdict} the budget)", file=sys.stderr)
     print(calibration.spec)
     return 0
 

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvshrink.cache.attention import Partial, causal_chunk_attention, exact_partial, merge_partials, self_partial
 from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
+from kvshrink.cache.registry import format_options
 from kvshrink.cache.store import fp16_kv_bytes, held_bytes
 from kvshrink.kernels.deferred import DEFERRED_CHECK_EVERY, defer_nan, raise_deferred
 from kvshrink.kernels.backend import gpu_path
@@ -410,7 +411,7 @@ class KVShrinkCache(CacheAccounting, Cache):
         return copy.deepcopy(self, memo)
 
     def __repr__(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        opts = format_options(self.options)
         return f"KVShrinkCache({self.method}{':' + opts if opts else ''}, tokens={self.get_seq_length()})"
 
     # ---- the token ids the cache holds (see cache/integration.py for who feeds them) -----------

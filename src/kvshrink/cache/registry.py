@@ -133,13 +133,17 @@ class MethodInfo:
     config: type | None = field(default=None, repr=False)  # the options dataclass, if the method has one
     module: str = ""  # where the method is defined (kvshrink's own methods: kvshrink.methods.*)
     undoes_rope: bool = False  # the method re-rotates keys: make_cache refuses RoPE types it cannot undo exactly
+    # check_named(options, named): the method's check of options that exclude each other, given the resolved
+    # options and the names the caller passed (a default passed explicitly is still a choice)
+    check_named: Callable[[dict[str, Any], frozenset[str]], None] | None = field(default=None, repr=False)
 
 
 _METHODS: dict[str, MethodInfo] = {}
 
 
 def register_method(name: str, description: str, options: type | dict[str, Option] | None = None,
-                    build: Callable[..., Any] | None = None, undoes_rope: bool = False):
+                    build: Callable[..., Any] | None = None, undoes_rope: bool = False,
+                    check_named: Callable[[dict[str, Any], frozenset[str]], None] | None = None):
     """Class decorator registering a ``CacheLayer`` subclass as method ``name``.
 
     ``options`` is the method's options dataclass (fields made with :func:`option`); each decoder
@@ -147,7 +151,8 @@ def register_method(name: str, description: str, options: type | dict[str, Optio
     ``__post_init__`` may check what involves several options. A method without options passes
     nothing (``cls(spec)``); a plain ``{name: Option}`` dict gives ``cls(spec, **options)``. A method
     that is not built from kvshrink layers (e.g. a wrapper of another cache) passes ``build`` instead,
-    called as ``build(model, info, **options)``.
+    called as ``build(model, info, **options)``. ``check_named(options, named)`` refuses options that
+    exclude each other, knowing which ones the caller named (the builder sees resolved options only).
     """
     config = options if isinstance(options, type) else None
     opts = declared_options(config) if config is not None else dict(options or {})
@@ -159,7 +164,7 @@ def register_method(name: str, description: str, options: type | dict[str, Optio
         if isinstance(cls, type):
             cls.method_name = name
         _METHODS[name] = MethodInfo(name, description, opts, builder, config, getattr(cls, "__module__", ""),
-                                    undoes_rope)
+                                    undoes_rope, check_named)
         return cls
 
     return decorate
@@ -239,6 +244,11 @@ def parse_options(text: str, where: str = "") -> dict[str, str]:
     return options
 
 
+def format_options(options: dict[str, Any]) -> str:
+    """``{"key": value, ...}`` -> ``"key=value,..."``, as `parse_options` reads it (booleans as true/false)."""
+    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+
+
 def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"name:key=value,key=value"`` -> ``("name", {"key": "value", ...})`` (values as strings)."""
     if not isinstance(spec, str) or not spec.strip():
@@ -260,6 +270,8 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
 
     info_m = get_method(method)
     resolved = resolve_options(info_m, options)
+    if info_m.check_named is not None:
+        info_m.check_named(resolved, frozenset(options))
     info = describe_model(model)
     if info_m.undoes_rope:
         require_exact_rope(model, info, method)

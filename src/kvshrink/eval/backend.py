@@ -51,10 +51,12 @@ class KVShrinkBackend:
 
 
 def cache_figures(cache) -> dict[str, Any]:
-    """Bytes and method metrics of a cache after a run (the kvshrink cache interface)."""
+    """Bytes and method metrics of a cache after a run (the kvshrink cache interface), and the options it ran
+    with (``cache_options``: the spec's, resolved, with any an option such as Shard's ``kl_budget`` chose)."""
     nbytes = int(cache.nbytes())
     fp16 = int(cache.fp16_nbytes())
     return {
+        "cache_options": _jsonable(dict(getattr(cache, "options", {}))),
         "nbytes": nbytes,
         "fp16_nbytes": fp16,
         "ratio": float(cache.compression_ratio()),

@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import QuantizedCache
 
 from kvshrink.cache.base import CacheAccounting, ModelInfo
-from kvshrink.cache.registry import option, register_method
+from kvshrink.cache.registry import format_options, option, register_method
 from kvshrink.cache.store import held_bytes
 from kvshrink.extras import require
 
@@ -94,7 +94,7 @@ class MeasuredQuantizedCache(CacheAccounting, QuantizedCache):
             "quantization, built from kvshrink layers) to reuse a quantized prefix")
 
     def __repr__(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        opts = format_options(self.options)
         return f"MeasuredQuantizedCache(hf-quantized:{opts}, tokens={self.get_seq_length()})"
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from kvshrink.methods.shard.config import ShardConfig
+from kvshrink.cache.registry import format_options, get_method, make_cache, resolve_options
 from kvshrink.models import model_tokenizer
 
 # Settings of the compressed middle, the cheapest first: fewer 8-bit salient rows, more attention coded
@@ -46,11 +46,21 @@ class ShardCalibration:
     @property
     def spec(self) -> str:
         """The chosen options as a method spec (``shard:key=value,...``), for the CLI and the evaluation."""
-        return "shard:" + ",".join(f"{k}={_spec_value(v)}" for k, v in self.options.items())
+        return "shard:" + format_options(self.options)
 
 
-def _spec_value(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+def refuse_ladder_options(named, who: str) -> None:
+    """ValueError when ``named`` (option names a caller passed) include one the ladder chooses."""
+    chosen_by_ladder = sorted(LADDER_OPTIONS & set(named))
+    if chosen_by_ladder:
+        raise ValueError(f"{who} chooses {sorted(LADDER_OPTIONS)}; do not pass {', '.join(chosen_by_ladder)}")
+
+
+def check_named_options(options: dict, named: frozenset[str]) -> None:
+    """Shard's check of the options a caller named: ``kl_budget`` above 0 chooses the ladder's options, so
+    naming one of them too (even at its default value) is refused rather than overridden."""
+    if options["kl_budget"] > 0:
+        refuse_ladder_options(named, "shard: kl_budget")
 
 
 def calibration_text() -> str:
@@ -76,15 +86,11 @@ def kl_per_token(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
 
 def check_calibration(kl_budget: float, options: dict) -> None:
     """ValueError naming what is wrong with a calibration's budget or options (before any model runs)."""
-    from kvshrink.cache.registry import get_method, resolve_options
-
     if not kl_budget > 0:
         raise ValueError(f"calibrate_shard: kl_budget must be a KL above 0 nats per token, got {kl_budget!r}")
     if "kl_budget" in options:
         raise ValueError("calibrate_shard: the budget is its own argument (kl_budget, or --kl-budget), not an option")
-    chosen_by_ladder = sorted(LADDER_OPTIONS & set(options))
-    if chosen_by_ladder:
-        raise ValueError(f"calibrate_shard chooses {sorted(LADDER_OPTIONS)}; do not pass {chosen_by_ladder}")
+    refuse_ladder_options(options, "calibrate_shard")
     resolve_options(get_method("shard"), options)  # an unknown or malformed option
 
 
@@ -99,8 +105,6 @@ def calibrate_shard(model: torch.nn.Module, tokenizer, kl_budget: float = DEFAUL
     forward over ``PREFIX_TOKENS + CONTINUATION_TOKENS`` tokens and one cached forward per rung tried.
     """
     from transformers import DynamicCache
-
-    from kvshrink.cache.registry import make_cache
 
     check_calibration(kl_budget, options)
     prefix, continuation = _calibration_ids(tokenizer, model)
@@ -123,12 +127,8 @@ _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def calibrated_options(model: torch.nn.Module, options: dict) -> dict:
     """Shard's resolved ``options`` (``kl_budget`` above 0) with the ladder's options chosen for ``model`` and
     ``kl_budget`` set to 0: measured by `calibrate_shard` on the first call for a model, budget and options,
-    remembered for the calls after (a cache per prompt calibrates once)."""
-    defaults = {f.name: f.default for f in fields(ShardConfig)}
-    moved = sorted(name for name in LADDER_OPTIONS if options[name] != defaults[name])
-    if moved:
-        raise ValueError(f"shard: kl_budget chooses {sorted(LADDER_OPTIONS)}; leave them at their defaults "
-                         f"(given: {', '.join(f'{name}={options[name]}' for name in moved)})")
+    remembered for the calls after (a cache per prompt calibrates once). `check_named_options` has refused a
+    ladder option named beside the budget."""
     others = {k: v for k, v in options.items() if k not in LADDER_OPTIONS and k != "kl_budget"}
     key = (options["kl_budget"], tuple(sorted(others.items())))
     chosen = _CHOSEN.setdefault(model, {})
