@@ -115,3 +115,13 @@ def test_interleaved_repeats_prefill_every_method_first_in_turn():
     assert orders[3] == orders[0]
     assert {order[0] for order in orders[:3]} == set(specs) and all(sorted(o) == sorted(specs) for o in orders)
     assert specs == ["full", "shard", "lrqk"]        # the job's list is not reordered in place
+
+
+def test_a_method_added_to_a_finished_run_is_still_compared_with_full(tmp_path, setup):
+    run(tmp_path, setup, ["streaming:window=32,sinks=4"], ["ppl", "agreement"], [300])
+    written, rows = run(tmp_path, setup, ["streaming:window=32,sinks=4", "streaming:window=16,sinks=4"],
+                        ["ppl", "agreement"], [300])
+    added = [r for r in rows if r["spec"] == "streaming:window=16,sinks=4"]
+    assert written == len(added) == 3  # full's rows are not written again
+    assert next(r for r in added if r["task"] == "ppl")["kl"] > 0
+    assert all(r["free_kl"] >= 0 for r in added if r["task"] == "agreement")

@@ -17,6 +17,7 @@ from .suites import Suite
 from .tasks import Builder, Sample
 
 REFERENCE = "full"
+COMPARED_METRICS = ("ppl", "agreement")  # tasks whose rows compare next-token distributions with full's
 ANSWER_CHARS = 300
 
 
@@ -145,8 +146,10 @@ class Runner:
         stop = eos_token_ids(self.model, self.tok)
         bar = tqdm(total=len(todo), desc="evaluating", unit="run", disable=not self.opt.progress, file=sys.stderr)
         for s, digest, specs in group_by_sample(todo):
+            self._reference_logprobs = None  # full's on this sample, for the methods' kl/top1 or free_kl
+            if REFERENCE not in specs and s.metric in COMPARED_METRICS:  # full's row is from an earlier run:
+                self.run_one(s, REFERENCE, digest, None, stop)         # its distributions again (not written)
             prefilled = self.shared_prefill(s, specs)
-            self._reference_logprobs = None  # full's, when full runs on this sample in this process
             for spec in specs:
                 bar.set_postfix_str(f"{spec} {s.task}/{s.subtask} L={s.length}", refresh=False)
                 reference = done.get((REFERENCE, s.task, s.subtask, s.length, s.depth, s.index, digest))
@@ -189,7 +192,7 @@ class Runner:
 
     def compare_distributions(self, spec: str, logprobs) -> dict:
         """``kl`` and ``top1`` against full's next-token distributions on the same sample (kept in memory
-        for the sample's other methods; absent when full's row came from an earlier run)."""
+        for the sample's other methods; full runs again when its row came from an earlier run)."""
         if spec == REFERENCE:
             self._reference_logprobs = logprobs
             return {"kl": 0.0, "top1": 100.0}
@@ -200,8 +203,8 @@ class Runner:
 
     def compare_free_running(self, spec: str, logprobs, first: int | None) -> dict:
         """``free_kl``: KL(full || method) per step of the two free-running greedy decodes while their histories
-        are the same (`scoring.free_running_kl`; full's kept in memory for the sample's other methods, absent
-        when full's row came from an earlier run)."""
+        are the same (`scoring.free_running_kl`; full's kept in memory for the sample's other methods, full
+        running again when its row came from an earlier run)."""
         if spec == REFERENCE:
             self._reference_logprobs = logprobs
             return {"free_kl": 0.0}
