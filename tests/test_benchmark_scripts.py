@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import kvshrink
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.model
 
@@ -37,8 +39,8 @@ def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, ca
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert printed == records and [r["spec"] for r in records] == specs + specs[:1]
     for r in records:
-        assert set(r) == {"model", "dtype", "length", "spec", "ratio", "kl", "top1", "seconds", "share"}
-        assert (r["model"], r["dtype"], r["length"]) == ("smol", "float32", 160)
+        assert set(r) == {"model", "dtype", "text", "length", "spec", "ratio", "kl", "top1", "seconds", "share"}
+        assert (r["model"], r["dtype"], r["text"], r["length"]) == ("smol", "float32", "licenses", 160)
         assert r["ratio"] > 1 and r["kl"] >= 0 and 0 <= r["top1"] <= 100
         assert r["share"] and all(v >= 0 for v in r["share"].values())
         assert sum(r["share"].values()) == pytest.approx(1, abs=0.01)
@@ -47,6 +49,27 @@ def test_kl_continuation_writes_one_record_per_spec_and_reuses_full(tmp_path, ca
     assert records[2]["kl"] == pytest.approx(shard["kl"], abs=1e-5)  # the same spec, the same answer
     with pytest.raises(SystemExit):                                  # a usage message, not a traceback
         script.main(["smol", "160"])
+
+
+def test_kl_continuation_on_the_calibration_text_measures_what_kl_budget_measures(tmp_path, monkeypatch):
+    """TEXT=calibration: the prefix and continuation `calibrate_shard` uses, so a spec's KL is the KL the
+    calibration finds for it (a short prefix here; the continuation is the calibration's 256 tokens)."""
+    from kvshrink.methods.shard import sensitivity
+
+    script = load_script("benchmarks/shard-ratio/kl_continuation.py")
+    monkeypatch.setenv("TEXT", "calibration")
+    out = tmp_path / "kl.jsonl"
+    rung = ",".join(f"{k}={v}" for k, v in sensitivity.LADDER[0].items())
+    script.main(["smol", "160", str(out), f"shard:evict=0,min_block=32,{rung}"])
+    record = json.loads(out.read_text())
+    assert [p.name for p in tmp_path.glob("ref-*.pt")] == ["ref-smol-calibration-160-float32.pt"]
+    monkeypatch.setattr(sensitivity, "PREFIX_TOKENS", 160)
+    model, tokenizer = kvshrink.load_model()
+    found = sensitivity.calibrate_shard(model, tokenizer, 1e9, evict=0, min_block=32)
+    assert record["text"] == "calibration" and record["kl"] == pytest.approx(found.tried[0][1], abs=1e-5)
+    monkeypatch.setenv("TEXT", "poems")
+    with pytest.raises(SystemExit, match="TEXT must be"):
+        script.main(["smol", "160", str(out), "kivi:bits=2"])
 
 
 def test_kl_continuation_calibrates_each_shard_spec_under_kl_budget(tmp_path, monkeypatch):

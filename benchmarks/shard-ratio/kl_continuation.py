@@ -9,7 +9,9 @@ distributions (the prefix's last one and 63 of the continuation's) are compared 
     python benchmarks/shard-ratio/kl_continuation.py MODEL LENGTH OUT.jsonl SPEC [SPEC ...]
 
 MODEL: ``smol`` (the embedded SmolLM2-135M-Instruct) or a model path; ``DTYPE`` (environment): float32 (default)
-or bfloat16; ``KL_BUDGET`` (environment): when set, each Shard spec's options go through
+or bfloat16; ``TEXT=calibration`` (environment): Shard's calibration text instead, its 256-token continuation
+after LENGTH tokens (2048 is what ``kl_budget`` measures: a setting's KL there is what the calibration would
+see); ``KL_BUDGET`` (environment): when set, each Shard spec's options go through
 ``calibrate_shard`` with that budget first (the record names the options it chose). One JSON line per spec is
 appended to OUT.jsonl. ``full``'s distributions are kept next to OUT and reused by later runs of the same model,
 length and dtype.
@@ -23,7 +25,8 @@ import torch
 
 import kvshrink
 from kvshrink.cache import parse_method_spec
-from kvshrink.methods.shard.sensitivity import calibrate_shard, continuation_logprobs, kl_per_token
+from kvshrink.methods.shard.sensitivity import (CONTINUATION_TOKENS, calibrate_shard, calibration_text,
+                                                continuation_logprobs, kl_per_token)
 
 LICENSES = ["GPL-3", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "LGPL-2.1", "GPL-2"]
 CONTINUATION = 64
@@ -57,12 +60,16 @@ def main(argv=None):
         raise SystemExit(__doc__)
     model_path, length, out, specs = argv[0], int(argv[1]), argv[2], argv[3:]
     dtype = os.environ.get("DTYPE", "float32")
+    text = os.environ.get("TEXT", "licenses")
+    if text not in ("licenses", "calibration"):
+        raise SystemExit(f"TEXT must be licenses or calibration, got {text!r}")
     model, tok = kvshrink.load_model(None if model_path == "smol" else model_path, dtype=dtype)
-    ids = tok(held_out_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
-    if ids.shape[1] < length + CONTINUATION:
-        raise SystemExit(f"the text has {ids.shape[1]} tokens; {length + CONTINUATION} are needed")
-    prefix, continuation = ids[:, :length], ids[:, length:length + CONTINUATION]
-    name = os.path.basename(model_path).split("-instruct")[0]
+    source, steps = (held_out_text(), CONTINUATION) if text == "licenses" else (calibration_text(), CONTINUATION_TOKENS)
+    ids = tok(source, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    if ids.shape[1] < length + steps:
+        raise SystemExit(f"the text has {ids.shape[1]} tokens; {length + steps} are needed")
+    prefix, continuation = ids[:, :length], ids[:, length:length + steps]
+    name = os.path.basename(model_path).split("-instruct")[0] + ("-calibration" if text == "calibration" else "")
     ref_path = os.path.join(os.path.dirname(os.path.abspath(out)), f"ref-{name}-{length}-{dtype}.pt")
     if os.path.exists(ref_path):
         ref = torch.load(ref_path)
@@ -84,7 +91,7 @@ def main(argv=None):
         kl = kl_per_token(ref, logprobs)
         top1 = float((ref.argmax(-1) == logprobs.argmax(-1)).float().mean() * 100)
         total = sum(parts.values())
-        record = dict(model=model_path, dtype=dtype, length=length, spec=spec, ratio=round(ratio, 3),
+        record = dict(model=model_path, dtype=dtype, text=text, length=length, spec=spec, ratio=round(ratio, 3),
                       kl=round(kl, 5), top1=top1, seconds=round(time.time() - start, 1),
                       share={k: round(v / total, 3) for k, v in parts.items()})
         if calibration is not None:
