@@ -49,7 +49,7 @@ def questions(count: int, docs: int) -> list[tuple[int, str]]:
 
 
 def options_of(text: str) -> dict:
-    from kvshrink.cache.registry import parse_options
+    from kvshrink.cache.option_text import parse_options
 
     return parse_options(text or "")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _parse_options(items: list[str]) -> dict[str, str]:
-    from kvshrink.cache.registry import parse_options
+    from kvshrink.cache.option_text import parse_options
 
     return {k: v for item in items or [] for k, v in parse_options(item, " in --option").items()}
 
@@ -350,7 +350,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvshrink import load_model
-    from kvshrink.cache.registry import format_options
+    from kvshrink.cache.option_text import format_options
     from kvshrink.methods.shard.sensitivity import calibrate_shard, check_calibration
 
     options = _parse_options(args.option)

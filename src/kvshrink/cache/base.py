@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvshrink.cache.attention import Partial, causal_chunk_attention, exact_partial, merge_partials, self_partial
 from kvshrink.cache.record import Record, RecordReader, Schema, TensorSpec
-from kvshrink.cache.registry import format_options
+from kvshrink.cache.option_text import format_options
 from kvshrink.cache.store import fp16_kv_bytes, held_bytes
 from kvshrink.kernels.deferred import DEFERRED_CHECK_EVERY, defer_nan, raise_deferred
 from kvshrink.kernels.backend import gpu_path

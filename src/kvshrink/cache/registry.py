@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 
+from kvshrink.cache.option_text import parse_options
+
 _BOOL_WORDS = {"true": True, "on": True, "yes": True, "1": True,
                "false": False, "off": False, "no": False, "0": False}
 
@@ -230,23 +232,6 @@ def resolve_options(method: MethodInfo, options: dict[str, Any]) -> dict[str, An
         listing = ", ".join(f"{k} (default {v.default!r})" for k, v in valid.items())
         raise ValueError(f"unknown option(s) {unknown} for method '{method.name}'; valid options: {listing}")
     return {k: opt.coerce(k, options.get(k, opt.default)) for k, opt in valid.items()}
-
-
-def parse_options(text: str, where: str = "") -> dict[str, str]:
-    """``"key=value,key=value"`` -> ``{"key": "value", ...}`` (values as strings): the one parser of
-    option text, for method specs and the CLI's ``--option``."""
-    options: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"bad option {item!r}{where}: expected key=value")
-        options[key.strip()] = value.strip()
-    return options
-
-
-def format_options(options: dict[str, Any]) -> str:
-    """``{"key": value, ...}`` -> ``"key=value,..."``, as `parse_options` reads it (booleans as true/false)."""
-    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
 
 
 def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:

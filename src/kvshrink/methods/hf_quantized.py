@@ -20,7 +20,8 @@ import torch
 from transformers.cache_utils import QuantizedCache
 
 from kvshrink.cache.base import CacheAccounting, ModelInfo
-from kvshrink.cache.registry import format_options, option, register_method
+from kvshrink.cache.option_text import format_options
+from kvshrink.cache.registry import option, register_method
 from kvshrink.cache.store import held_bytes
 from kvshrink.extras import require
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshrink.cache.registry import format_options, get_method, make_cache, resolve_options
+from kvshrink.cache.option_text import format_options
+from kvshrink.cache.registry import get_method, make_cache, resolve_options
 from kvshrink.models import model_tokenizer
 
 # Settings of the compressed middle, the cheapest first: fewer 8-bit salient rows, more attention coded
