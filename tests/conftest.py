@@ -27,9 +27,9 @@ _LOADED: dict = {}
 
 
 def load_model_once(name_or_path=None, dtype=torch.float32, device=None):
-    """``kvshrink.load_model``, each model, dtype and device loaded once per test session: a load reads its
-    GGUF file three times (tokenizer, config, weights) and takes 15-40 s on a 2-core machine. A cache leaves
-    the model's weights and outputs as they were, so the tests and the CLI commands they run share it."""
+    """``kvshrink.load_model``, each model, dtype and device loaded once per test session (a load from the
+    converted GGUF folder still takes seconds). A cache leaves the model's weights and outputs as they were, so
+    the tests and the CLI commands they run share it."""
     from kvshrink.models import load_model, model_dtype
 
     key = (None if name_or_path is None else str(name_or_path), model_dtype(dtype),

