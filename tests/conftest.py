@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +14,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The tests check the numba kernels: they compile before a cache's first step, not in a background process
 # while the torch path serves (test_first_use tests that).
 os.environ["KVSHRINK_COMPILE"] = "wait"
+
+
+def _session_cache_home() -> None:
+    """What kvshrink keeps between processes (calibrations, markers) goes to a folder of this session's own, so
+    no test finds what an earlier session stored; converted GGUF models, checksummed and keyed by the file's
+    content, stay where the user keeps them (converting the embedded model takes 25-50 s)."""
+    from kvshrink.gguf_conversion import conversion_root
+
+    converted = conversion_root()
+    os.environ.setdefault("KVSHRINK_MODEL_CACHE", "off" if converted is None else str(converted))
+    home = tempfile.mkdtemp(prefix="kvshrink-test-cache-")
+    os.environ["KVSHRINK_CACHE_HOME"] = home
+    atexit.register(shutil.rmtree, home, True)
+
+
+_session_cache_home()
 
 # Test files that run the GPU path's Triton kernels in Triton's interpreter on CPU: marked `interpreter`
 # (`make test-compat` leaves them out: they test kvshrink's kernels, not the transformers integration).

@@ -100,6 +100,9 @@ def test_where_conversions_live(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSHRINK_MODEL_CACHE", str(tmp_path / "x"))
     assert conversion_root() == tmp_path / "x"
     monkeypatch.delenv("KVSHRINK_MODEL_CACHE")
+    monkeypatch.setenv("KVSHRINK_CACHE_HOME", str(tmp_path / "home"))
+    assert conversion_root() == tmp_path / "home" / "converted"
+    monkeypatch.delenv("KVSHRINK_CACHE_HOME")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert conversion_root() == tmp_path / "kvshrink" / "converted"
 

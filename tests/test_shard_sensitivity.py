@@ -136,7 +136,43 @@ def model_with_tokenizer(tokenizer):
     return model
 
 
-def test_kl_budget_chooses_the_rung_once_per_model_and_records_it(model_with_tokenizer, tokenizer, tmp_path):
+def _forwards_to_make(model, **options) -> int:
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    try:
+        kvshrink.make_cache("shard", model, **options)
+    finally:
+        hook.remove()
+    return len(forwards)
+
+
+def test_the_chosen_rung_is_stored_for_the_next_process(model_with_tokenizer, tokenizer, tmp_path, monkeypatch):
+    """Another process (here: another object of the same model) reads the stored rung and measures nothing; a
+    damaged entry, another budget or another model measures again."""
+    monkeypatch.setenv("KVSHRINK_CACHE_HOME", str(tmp_path))
+    measure = 2 * (1 + len(LADDER))
+    assert _forwards_to_make(model_with_tokenizer, kl_budget=1e-12) == measure
+    (entry,) = (tmp_path / "calibrations").iterdir()
+
+    def same_model():
+        twin = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=4096)
+        twin.kvshrink_tokenizer = tokenizer
+        return twin
+
+    assert _forwards_to_make(same_model(), kl_budget=1e-12) == 0
+    assert _forwards_to_make(same_model(), kl_budget=1e-12, evict=0.5) == measure   # other options
+    assert _forwards_to_make(same_model(), kl_budget=2e-12) == measure               # another budget
+    other = tiny_model(seed=1, vocab_size=len(tokenizer), max_position_embeddings=4096)
+    other.kvshrink_tokenizer = tokenizer
+    assert _forwards_to_make(other, kl_budget=1e-12) == measure
+    entry.write_text(entry.read_text().replace('"window": 32', '"window": 33'))   # damaged: checksum fails
+    assert _forwards_to_make(same_model(), kl_budget=1e-12) == measure
+    assert _forwards_to_make(same_model(), kl_budget=1e-12) == 0                     # and stored again
+
+
+def test_kl_budget_chooses_the_rung_once_per_model_and_records_it(model_with_tokenizer, tokenizer, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("KVSHRINK_CACHE_HOME", str(tmp_path))
     model = model_with_tokenizer
     forwards = []
     hook = model.register_forward_pre_hook(lambda *args: forwards.append(1))

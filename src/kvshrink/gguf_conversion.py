@@ -7,10 +7,10 @@ de-quantized values exactly; a 16-bit load casts them as the GGUF load does), th
 config and the tokenizer. It loads in seconds.
 
 One folder per GGUF file content (its SHA-256) and transformers version, under ``$KVSHRINK_MODEL_CACHE``
-(default ``$XDG_CACHE_HOME/kvshrink/converted``, else ``~/.cache/kvshrink/converted``); it takes about
-4 bytes per parameter. ``KVSHRINK_MODEL_CACHE=off`` reads the GGUF file every time. A folder is written under
-a temporary name and renamed into place when whole, with a manifest of each file's SHA-256 that every load
-checks: a reader uses a whole, verified folder or converts the GGUF file again.
+(default: ``converted`` in `kvshrink.user_cache.cache_home`); it takes about 4 bytes per parameter.
+``KVSHRINK_MODEL_CACHE=off`` reads the GGUF file every time. A folder is written under a temporary name and
+renamed into place when whole, with a manifest of each file's SHA-256 that every load checks: a reader uses a
+whole, verified folder or converts the GGUF file again.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from pathlib import Path
 
 from safetensors.torch import save_model
 
+from kvshrink.user_cache import cache_home
+
 MANIFEST = "kvshrink-conversion.json"
 FORMAT = 1
 OFF = "off"
@@ -41,7 +43,7 @@ def conversion_root() -> Path | None:
         return None
     if configured:
         return Path(configured).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvshrink" / "converted"
+    return cache_home() / "converted"
 
 
 def file_sha256(path: Path) -> str:

@@ -31,6 +31,7 @@ import torch
 
 from kvshrink.kernels.compile_notice import compiling
 from kvshrink.kernels.cpu import numba_support
+from kvshrink.user_cache import cache_home
 
 __all__ = ["prepare", "wait_for_kernels", "compiling_in_background", "finish_background"]
 
@@ -196,7 +197,7 @@ def _marker_dir() -> Path:
     beside = Path(__file__).resolve().parent / "__pycache__"
     if os.access(beside if beside.exists() else beside.parent, os.W_OK):
         return beside
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvshrink"
+    return cache_home()
 
 
 def _write_marker(marker: Path, target: str, args: tuple[int, ...]) -> None:

@@ -12,16 +12,22 @@ ones.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import inspect
+import json
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvshrink.cache.option_text import format_options
 from kvshrink.cache.registry import get_method, make_cache, resolve_options
+from kvshrink.identity import model_fingerprint
 from kvshrink.models import model_tokenizer
+from kvshrink.user_cache import cache_home, read_entry, write_entry
 
 # Settings of the compressed middle, the cheapest first: fewer 8-bit salient rows, more attention coded
 # cold at fewer bits, a shorter exact window. The last one is the fallback when none is within the budget.
@@ -128,16 +134,44 @@ _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def calibrated_options(model: torch.nn.Module, options: dict) -> dict:
     """Shard's resolved ``options`` (``kl_budget`` above 0) with the ladder's options chosen for ``model`` and
     ``kl_budget`` set to 0: measured by `calibrate_shard` on the first call for a model, budget and options,
-    remembered for the calls after (a cache per prompt calibrates once). `check_named_options` has refused a
+    remembered for the calls after (a cache per prompt calibrates once) and stored for later processes
+    (`calibration_entry`). `check_named_options` has refused a
     ladder option named beside the budget."""
     others = {k: v for k, v in options.items() if k not in LADDER_OPTIONS and k != "kl_budget"}
     key = (options["kl_budget"], tuple(sorted(others.items())))
     chosen = _CHOSEN.setdefault(model, {})
     if key not in chosen:
-        calibration = calibrate_shard(model, model_tokenizer(model, "shard's kl_budget"), options["kl_budget"],
-                                      **others)
-        chosen[key] = calibration.tried[-1][0]
+        tokenizer = model_tokenizer(model, "shard's kl_budget")
+        entry = calibration_entry(model, tokenizer, options["kl_budget"], others)
+        rung = read_entry(entry)
+        if rung not in LADDER:   # none stored, or one another ladder chose
+            rung = calibrate_shard(model, tokenizer, options["kl_budget"], **others).tried[-1][0]
+            write_entry(entry, rung)
+        chosen[key] = rung
     return {**options, **chosen[key], "kl_budget": 0.0}
+
+
+def calibration_entry(model: torch.nn.Module, tokenizer, kl_budget: float, others: dict) -> Path:
+    """Where the rung chosen for this model, budget and options is stored between processes: named by a SHA-256
+    of everything the choice depends on (the model's fingerprint, dtype and device, the calibration tokens, the
+    ladder, the budget and options, and kvshrink's source), so a change in any of them measures again."""
+    prefix, continuation = _calibration_ids(tokenizer, model)
+    key = hashlib.sha256()
+    for part in (model_fingerprint(model), next(model.parameters()).device.type,
+                 json.dumps([LADDER, kl_budget, sorted(others.items())], default=str), _source_digest()):
+        key.update(part.encode())
+    key.update(torch.cat([prefix, continuation], 1).cpu().numpy().tobytes())
+    return cache_home() / "calibrations" / f"shard-{key.hexdigest()[:40]}.json"
+
+
+@functools.cache
+def _source_digest() -> str:
+    """SHA-256 of kvshrink's Python source: a calibration measured with other code is measured again."""
+    package = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _calibration_ids(tokenizer, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
