@@ -32,7 +32,7 @@ from kvshrink.user_cache import cache_home, read_entry, write_entry
 # Settings of the compressed middle, the cheapest first: fewer 8-bit salient rows, more attention coded
 # cold at fewer bits, a shorter exact window. The last one is the fallback when none is within the budget.
 LADDER: tuple[dict[str, float | int], ...] = (
-    dict(window=16, salient=0.01, cold=0.15, cold_key_bits=0.75),
+    dict(window=16, salient=0.01, cold=0.1, cold_key_bits=0.75),
     dict(window=32, salient=0.05, cold=0.05, cold_key_bits=1.0),
 )
 LADDER_OPTIONS = frozenset(name for rung in LADDER for name in rung)
