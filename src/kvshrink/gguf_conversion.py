@@ -130,7 +130,8 @@ def write_conversion(root: Path, key: str, gguf_sha256: str, model, tokenizer) -
             if not verified(final, gguf_sha256):
                 raise
         return final
-    except OSError:
+    except Exception as err:   # a cache: whatever stops the write, the caller has its model
+        warnings.warn(f"kvshrink: not caching the converted GGUF model in {root}: {err}", stacklevel=3)
         return None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,9 +69,13 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         sha = file_sha256(path)
         converted = root / conversion_key(sha)
         if converted.is_dir() and verified(converted, sha):
-            model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
-            model.config._name_or_path = str(path.parent)   # as a load from the GGUF file names it
-            return model, AutoTokenizer.from_pretrained(converted)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
+                model.config._name_or_path = str(path.parent)   # as a load from the GGUF file names it
+                return model, AutoTokenizer.from_pretrained(converted)
+            except Exception as err:   # a folder this transformers cannot read: the GGUF file still can
+                warnings.warn(f"kvshrink: reading {path} itself; its converted folder {converted} did not load: "
+                              f"{err}", stacklevel=3)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     if root is not None and dtype == torch.float32:
