@@ -83,13 +83,15 @@ def test_a_damaged_cache_scores_clearly_lower_than_full(real_model, random_evict
 
 
 def test_quick_suite_end_to_end(tmp_path, capsys):
-    """The quick suite end to end at its shorter length (512; the 1024 cells run the same code): every task,
-    report files, and full = 100 on the NIAH grid."""
+    """The quick suite end to end at its shorter length (512; the 1024 cells run the same code): every task, two
+    RULER subtasks and two agreement domains (test_eval_tasks builds every one's prompts), report files, and
+    full = 100 on the NIAH grid."""
     from kvshrink.eval.cli import main
 
     out = tmp_path / "quick"
     assert main(["eval", "--suite", "quick", "--methods", "full,streaming:window=128", "--out", str(out),
-                 "--lengths", "512", "--threads", "1", "--no-progress"]) == 0
+                 "--lengths", "512", "--subtasks", "niah_multikey,vt,prose,code", "--threads", "1",
+                 "--no-progress"]) == 0
     rows = read_rows(out)
     assert {r["task"] for r in rows} == {"niah", "ruler", "ppl", "agreement", "cost"}
     assert {r["length"] for r in rows if r["task"] != "agreement"} == {512}
@@ -97,6 +99,7 @@ def test_quick_suite_end_to_end(tmp_path, capsys):
     assert len(full_niah) == 3 and all(s == 100.0 for s in full_niah)
     cost = [r for r in rows if r["task"] == "cost"]
     assert len(cost) == 2 and all(r["peak_rss_mb"] > 0 and r["decode_ms_per_token"] > 0 for r in cost)
+    assert {r["subtask"] for r in rows if r["task"] in ("ruler", "agreement")} == {"niah_multikey", "vt", "prose", "code"}
     agree = [r["agreement"] for r in rows if r["spec"] == "full" and r["task"] == "agreement"]
     assert agree and all(a == 100.0 for a in agree)
     for name in ("summary.md", "results.csv", "config.json", "pareto.png", "cost_vs_length.png",
