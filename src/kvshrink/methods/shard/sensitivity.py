@@ -135,8 +135,7 @@ def calibrated_options(model: torch.nn.Module, options: dict) -> dict:
     """Shard's resolved ``options`` (``kl_budget`` above 0) with the ladder's options chosen for ``model`` and
     ``kl_budget`` set to 0: measured by `calibrate_shard` on the first call for a model, budget and options,
     remembered for the calls after (a cache per prompt calibrates once) and stored for later processes
-    (`calibration_entry`). `check_named_options` has refused a
-    ladder option named beside the budget."""
+    (`calibration_entry`). `check_named_options` has refused a ladder option named beside the budget."""
     others = {k: v for k, v in options.items() if k not in LADDER_OPTIONS and k != "kl_budget"}
     key = (options["kl_budget"], tuple(sorted(others.items())))
     chosen = _CHOSEN.setdefault(model, {})
