@@ -396,3 +396,11 @@ def test_bad_urls_and_arguments(tmp_path, model):
         store.get(model, [], METHOD, **OPTIONS)
     with pytest.raises(ValueError, match="batch"):
         store.get(model, torch.ones(2, 5, dtype=torch.long), METHOD, **OPTIONS)
+
+
+def test_the_default_folder_is_in_kvshrinks_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVSHRINK_STORE", raising=False)
+    monkeypatch.setenv("KVSHRINK_CACHE_HOME", str(tmp_path / "home"))
+    assert cache_store.open_backend(None).root == tmp_path / "home" / "store"
+    monkeypatch.setenv("KVSHRINK_STORE", str(tmp_path / "elsewhere"))
+    assert cache_store.open_backend(None).root == tmp_path / "elsewhere"

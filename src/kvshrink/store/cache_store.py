@@ -31,6 +31,7 @@ from kvshrink.identity import model_fingerprint
 from kvshrink.store.backend import BackendError, StoreBackend
 from kvshrink.store.keys import Keys, boundary, ids_array, prefix_hashes, scope_id
 from kvshrink.store.manifest import Chunk, EntryError, Manifest, joined, sha256, split
+from kvshrink.user_cache import cache_home
 
 log = logging.getLogger("kvshrink.store")
 
@@ -42,11 +43,12 @@ DEFAULT_LOCK_TIMEOUT = 600.0  # longest a worker waits for another worker's pref
 
 def open_backend(url: str | os.PathLike | None) -> StoreBackend:
     """The backend a URL names: ``redis://``/``rediss://``/``unix://`` -> Redis; a path or ``file://`` ->
-    a folder; None -> ``$KVSHRINK_STORE`` or ``~/.cache/kvshrink/store``."""
+    a folder; None -> ``$KVSHRINK_STORE``, else ``store`` in kvshrink's cache folder (`user_cache.cache_home`:
+    ``~/.cache/kvshrink/store`` unless ``KVSHRINK_CACHE_HOME`` or ``XDG_CACHE_HOME`` moves it)."""
     from kvshrink.store.folder import FolderBackend
 
     if url is None:
-        url = os.environ.get("KVSHRINK_STORE") or "~/.cache/kvshrink/store"
+        url = os.environ.get("KVSHRINK_STORE") or cache_home() / "store"
     url = os.fspath(url)
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme in ("redis", "rediss", "unix"):
