@@ -1,5 +1,5 @@
 """A GGUF file converted once into a folder: later loads give the same model and tokenizer, and a damaged,
-partial or foreign folder is never used."""
+partial or foreign folder is never used (a damaged one is replaced whole by the next conversion)."""
 
 from __future__ import annotations
 
@@ -59,24 +59,6 @@ def test_a_converted_gguf_loads_the_same_model_and_tokenizer(converted, monkeypa
     assert all(torch.equal(p.to(torch.bfloat16), q) for p, q in zip(from_gguf.parameters(), half.parameters()))
 
 
-def test_a_damaged_conversion_is_converted_again(converted, monkeypatch, tmp_path):
-    _, folder, sha, from_gguf, _ = converted
-    root = tmp_path / "root"
-    copy = root / folder.name
-    copy.mkdir(parents=True)
-    for f in folder.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
-    weights = copy / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    weights.write_bytes(bytes(data))
-    assert not verified(copy, sha)
-    monkeypatch.setenv("KVSHRINK_MODEL_CACHE", str(root))
-    model, _ = load_model()
-    assert _same_weights(from_gguf, model)
-    assert verified(copy, sha) and not any(p.name.startswith(".") for p in root.iterdir())
-
-
 def test_verified_refuses_partial_foreign_and_damaged_folders(converted, tmp_path):
     _, folder, sha, _, _ = converted
     manifest = json.loads((folder / MANIFEST).read_text())
@@ -122,4 +104,11 @@ def test_writers_leave_one_whole_folder_and_remove_abandoned_ones(real_model, tm
     assert not abandoned.exists() and recent.exists()           # a writer still at work keeps its folder
     second = write_conversion(tmp_path, "key", "a" * 64, tiny_model("llama", seed=1), tokenizer)
     assert second == first and verified(first, "a" * 64)        # the first whole copy stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".key.writing-now", "key"]
+    kept = (first / "model.safetensors").read_bytes()
+    weights = first / "model.safetensors"
+    weights.write_bytes(kept[:-1] + bytes([kept[-1] ^ 1]))      # damaged: the next writer replaces it whole
+    assert not verified(first, "a" * 64)
+    assert write_conversion(tmp_path, "key", "a" * 64, tiny_model("llama", seed=1), tokenizer) == first
+    assert verified(first, "a" * 64) and weights.read_bytes() != kept
     assert sorted(p.name for p in tmp_path.iterdir()) == [".key.writing-now", "key"]
