@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from kvshrink.atomic_file import write_atomic
 
 
 def cache_home() -> Path:
@@ -41,10 +42,7 @@ def write_entry(path: Path, payload: dict) -> bool:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"payload": payload, "sha256": _digest(payload)}, f)
-        os.replace(temporary, path)
+        write_atomic(path, json.dumps({"payload": payload, "sha256": _digest(payload)}).encode())
         return True
     except OSError:
         return False

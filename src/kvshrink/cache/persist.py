@@ -20,12 +20,12 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvshrink.atomic_file import write_atomic
 from kvshrink.cache.base import CacheAccounting, KVShrinkCache
 from kvshrink.cache.file_codec import FileCodecError, decode_tensor, encode_tensor, tensor_bytes
 from kvshrink.cache.record import RecordError, RecordReader, dtype_name, dtype_of, flatten, unread_tensors
@@ -109,21 +109,7 @@ def save_cache(cache: CacheAccounting, path: str | os.PathLike, model: torch.nn.
                extra: dict[str, Any] | None = None, entropy: bool = True) -> None:
     """Write ``cache`` to ``path`` atomically (a temporary file in the same folder, then renamed); the
     arguments are `cache_to_bytes`'."""
-    _write_atomic(Path(path), cache_to_bytes(cache, model=model, extra=extra, entropy=entropy))
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a partial one
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(Path(path), cache_to_bytes(cache, model=model, extra=extra, entropy=entropy))
 
 
 # ----------------------------------------------------------------------------------------------- read

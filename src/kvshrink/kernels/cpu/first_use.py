@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kvshrink.atomic_file import write_atomic
 from kvshrink.kernels.compile_notice import compiling
 from kvshrink.kernels.cpu import numba_support
 from kvshrink.user_cache import cache_home
@@ -203,10 +204,8 @@ def _marker_dir() -> Path:
 def _write_marker(marker: Path, target: str, args: tuple[int, ...]) -> None:
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        temporary = marker.with_suffix(f".{os.getpid()}.tmp")
         made = {"target": target, "args": list(args), "numba": numba_support.numba.__version__}
-        temporary.write_text(json.dumps(made))
-        os.replace(temporary, marker)
+        write_atomic(marker, json.dumps(made).encode())
     except OSError:   # a read-only place: the next process loads numba's cache in the foreground, as fast
         pass
 
