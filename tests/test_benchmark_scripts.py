@@ -162,15 +162,29 @@ def test_needle_margin_of_full_is_its_own_answer_margin(tmp_path, capsys):
     keeps its own margin, and each spec gets one, in one record per needle."""
     script = load_script("benchmarks/shard-ratio/needle_margin.py")
     out = tmp_path / "margins.jsonl"
-    script.main(["600", "0", "50", str(out), "full", "kivi:bits=2"])
-    [record] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
+    script.main(["600", "0", "50,vt", str(out), "full", "kivi:bits=2"])
+    record, ruler = [json.loads(line) for line in out.read_text().splitlines()]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-2]) == record
     assert record["expected"] in record["full"] and record["full_min"] > 0
     assert record["specs"]["full"] == pytest.approx(record["full_min"], abs=1e-3)
     assert isinstance(record["specs"]["kivi:bits=2"], float)
+    assert record["ratios"]["full"] < 1 < record["ratios"]["kivi:bits=2"]
+    assert ruler["subtask"] == "vt" and len(ruler["expected"]) == 5 and set(ruler["specs"]) == {"full", "kivi:bits=2"}
     script.main(["table", str(out)])
     table = capsys.readouterr().out.splitlines()
-    assert len(table) == 5 and "`kivi:bits=2`" in table[0] and table[2].startswith("| 0, 50% |")
+    assert len(table) == 6 and "`kivi:bits=2`" in table[0] and table[2].startswith("| 0, 50% |")
+    assert table[3].startswith("| 0, vt |")
     assert table[-1] == f"| answered otherwise | | 0 | {int(record['specs']['kivi:bits=2'] < 0)} |"
     with pytest.raises(SystemExit):
         script.main(["600", "0", "50", str(out)])
+
+
+def test_the_steps_of_an_answers_items_spell_them():
+    """needle_margin.item_steps: the answer steps of each expected item are the tokens that spell it (a RULER
+    answer's margin is taken over them), the separators between the items left out."""
+    script = load_script("benchmarks/shard-ratio/needle_margin.py")
+    _, tok = kvshrink.load_model()
+    tokens = tok.encode(" VAR KYKWA, VAR XJTBP, and VAR GESCC.", add_special_tokens=False)
+    steps = script.item_steps(tok, tokens, ["XJTBP", "KYKWA", "QQQQQ"])
+    spelled = tok.decode([tokens[i] for i in steps])
+    assert "KYKWA" in spelled and "XJTBP" in spelled and "," not in spelled and "GESCC" not in spelled
