@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -57,6 +58,24 @@ def test_a_converted_gguf_loads_the_same_model_and_tokenizer(converted, monkeypa
     half, _ = load_model(dtype="bfloat16")   # a 16-bit load casts the float32 weights, as a GGUF load does
     assert next(half.parameters()).dtype == torch.bfloat16
     assert all(torch.equal(p.to(torch.bfloat16), q) for p, q in zip(from_gguf.parameters(), half.parameters()))
+
+
+def test_a_folder_this_transformers_cannot_read_falls_back_to_the_gguf_file(converted, tmp_path, monkeypatch):
+    """A whole, verified folder that transformers refuses (here: a model type it does not know) is not the end
+    of the load: the GGUF file itself is read, with a warning naming the folder."""
+    _, folder, sha, from_gguf, _ = converted
+    unreadable = tmp_path / folder.name
+    shutil.copytree(folder, unreadable)
+    config = json.loads((unreadable / "config.json").read_text())
+    (unreadable / "config.json").write_text(json.dumps({**config, "model_type": "no-such-architecture"}))
+    manifest = json.loads((unreadable / MANIFEST).read_text())
+    manifest["files"]["config.json"] = file_sha256(unreadable / "config.json")
+    (unreadable / MANIFEST).write_text(json.dumps(manifest))
+    assert verified(unreadable, sha)
+    monkeypatch.setenv("KVSHRINK_MODEL_CACHE", str(tmp_path))
+    with pytest.warns(UserWarning, match=f"converted folder {unreadable} did not load"):
+        model, _ = load_model()
+    assert _same_weights(from_gguf, model)
 
 
 def test_verified_refuses_partial_foreign_and_damaged_folders(converted, tmp_path):
