@@ -77,9 +77,10 @@ def item_steps(tok, tokens: list[int], expected: list[str]) -> list[int]:
 def prompt_of(builder: Builder, length: int, prompt: str):
     """The NIAH sample at depth ``prompt`` (a number) or the first sample of RULER subtask ``prompt``."""
     try:
-        return builder.niah(length, float(prompt))
-    except ValueError:
+        depth = float(prompt)
+    except ValueError:   # not a number: a subtask name (an unknown one is refused by name)
         return builder.ruler(prompt, length)
+    return builder.niah(length, depth)
 
 
 def measure(model, tok, sample, specs: list[str]) -> dict:
