@@ -715,6 +715,28 @@ def test_cold_tokens_are_the_least_read_ones_coded_cheaper_and_survive_a_save(tm
     torch.testing.assert_close(got, want)
 
 
+def test_the_cold_block_is_judged_by_the_last_observe_queries(monkeypatch):
+    """``observe``: the prompt's last ``observe`` queries (every query head of a KV head) decide which tokens go
+    cold; other observers pick other tokens."""
+    from kvshrink.methods.shard import encoding
+
+    rows = []
+    original = encoding.observed_attention
+    monkeypatch.setattr(encoding, "observed_attention", lambda obs, *a: rows.append(obs.shape[2]) or original(obs, *a))
+    model = tiny_llama()
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    cold_rows = {}
+    for observe in (8, 256):
+        rows.clear()
+        cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=3.0, salient=0.05, evict=0.0,
+                                    min_block=8, cold=0.3, observe=observe)
+        prefill(model, cache, ids)
+        assert rows == [observe * group] * len(cache.layers)
+        cold_rows[observe] = [set(layer.middle[1].rows().tolist()) for layer in cache.layers]
+    assert cold_rows[8] != cold_rows[256]
+
+
 def test_cold_v_group_must_divide_the_head_size():
     with pytest.raises(ValueError, match="cold_v_group must divide the head size 16"):
         kvshrink.make_cache("shard", tiny_llama(), cold=0.1, cold_v_group=3)

@@ -31,9 +31,11 @@ from kvshrink.user_cache import cache_home, read_entry, write_entry
 
 # Settings of the compressed middle, the cheapest first: fewer 8-bit salient rows, more attention coded
 # cold at fewer bits, a shorter exact window. The last one is the fallback when none is within the budget.
+# The cheap rung's cold block is judged by the prompt's last 256 queries: judged by 64 (the question alone),
+# it takes tokens that a copy written later needs.
 LADDER: tuple[dict[str, float | int], ...] = (
-    dict(window=16, salient=0.01, cold=0.1, cold_key_bits=0.75),
-    dict(window=32, salient=0.05, cold=0.05, cold_key_bits=1.0),
+    dict(window=16, salient=0.01, cold=0.15, cold_key_bits=0.5, observe=256),
+    dict(window=32, salient=0.05, cold=0.05, cold_key_bits=1.0, observe=64),
 )
 LADDER_OPTIONS = frozenset(name for rung in LADDER for name in rung)
 CALIBRATION_MODULES = ("textwrap", "argparse", "json.decoder", "pathlib", "dataclasses", "functools")
@@ -107,7 +109,7 @@ def calibrate_shard(model: torch.nn.Module, tokenizer, kl_budget: float = DEFAUL
     calibration text is at most ``kl_budget`` nats per token, or the last rung when none is.
 
     ``options`` are any other Shard options (strings as in a method spec, or values); they may not name the
-    rungs' own options (``window``, ``salient``, ``cold``, ``cold_key_bits``), which this chooses. The rungs are
+    rungs' own options (`LADDER_OPTIONS`), which this chooses. The rungs are
     measured keeping every token (``evict=0``); the returned options keep ``evict`` as given. Costs one uncached
     forward over ``PREFIX_TOKENS + CONTINUATION_TOKENS`` tokens and one cached forward per rung tried.
     """
