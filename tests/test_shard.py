@@ -717,24 +717,46 @@ def test_cold_tokens_are_the_least_read_ones_coded_cheaper_and_survive_a_save(tm
 
 def test_the_cold_block_is_judged_by_the_last_observe_queries(monkeypatch):
     """``observe``: the prompt's last ``observe`` queries (every query head of a KV head) decide which tokens go
-    cold; other observers pick other tokens."""
-    from kvshrink.methods.shard import encoding
+    cold; other observers pick other tokens. ``observe_tail``: the last of them judge on their own too, and a
+    token counts as read as much as the more of the two observations reads it."""
+    from kvshrink.methods.shard import salient
 
-    rows = []
-    original = encoding.observed_attention
-    monkeypatch.setattr(encoding, "observed_attention", lambda obs, *a: rows.append(obs.shape[2]) or original(obs, *a))
+    reads = []
+    original = salient.observed_attention
+    monkeypatch.setattr(salient, "observed_attention",
+                        lambda obs, *a: reads.append((obs.shape[2], original(obs, *a))) or reads[-1][1])
     model = tiny_llama()
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    opts = dict(sinks=4, window=16, key_bits=3.0, salient=0.05, evict=0.0, min_block=8, cold=0.3)
     cold_rows = {}
-    for observe in (8, 256):
-        rows.clear()
-        cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=3.0, salient=0.05, evict=0.0,
-                                    min_block=8, cold=0.3, observe=observe)
+    for observe, tail in ((8, 0), (256, 0), (256, 8)):
+        reads.clear()
+        cache = kvshrink.make_cache("shard", model, observe=observe, observe_tail=tail, **opts)
         prefill(model, cache, ids)
-        assert rows == [observe * group] * len(cache.layers)
-        cold_rows[observe] = [set(layer.middle[1].rows().tolist()) for layer in cache.layers]
-    assert cold_rows[8] != cold_rows[256]
+        rows = [observe * group] + ([tail * group] if tail else [])
+        assert [n for n, _ in reads] == rows * len(cache.layers)
+        cold_rows[observe, tail] = [set(layer.middle[1].rows().tolist()) for layer in cache.layers]
+    assert cold_rows[8, 0] != cold_rows[256, 0]
+    assert cold_rows[256, 8] != cold_rows[256, 0]
+
+
+def test_a_token_the_tail_reads_counts_as_read_though_the_wide_observation_dilutes_it():
+    from kvshrink.methods.shard.salient import most_read, observed_attention
+
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(1, 1, 100, 16, generator=g)
+    wide = torch.randn(1, 1, 256, 16, generator=g) * 0.1
+    wide[0, 0, -8:] = key[0, 0, 40] * 3                                    # the last 8 queries read token 40
+    tail = wide[:, :, -8:]
+    both, alone = most_read([wide, tail], key, 0.25), observed_attention(wide, key, 0.25)
+    torch.testing.assert_close(both, torch.maximum(alone, observed_attention(tail, key, 0.25)))
+    assert float(both[0, 0, 40]) > 5 * float(alone[0, 0, 40]) and int(both[0, 0].argmax()) == 40
+
+
+def test_observe_tail_must_be_fewer_than_observe():
+    with pytest.raises(ValueError, match="observe_tail must be fewer than observe"):
+        kvshrink.make_cache("shard", tiny_llama(), observe=64, observe_tail=64)
 
 
 def test_cold_v_group_must_divide_the_head_size():

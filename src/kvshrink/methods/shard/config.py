@@ -89,6 +89,10 @@ class ShardConfig:
     cold_v_group: int = option(8, "channels per value VQ group of the cold tokens (see `cold`; `v_codebook` "
                                "entries: 8 channels with 256 entries is 1 bit per value element)", low=1)
     observe: int = option(64, "last prompt queries whose attention picks the salient and the evicted tokens", low=1)
+    observe_tail: int = option(0, "the last of the `observe` queries that also judge on their own: a token counts as "
+                               "read as much as the more of the two observations reads it (the question at the "
+                               "prompt's end weighs fully while the wider tail protects what copies later read; "
+                               "0 = the `observe` queries alone)", low=0)
     salient_read: float = option(0.0, "share of the salient rows picked as the most read of the tokens themselves "
                                  "rather than in spans around the strongest reads (`salient_pool`): spans serve a "
                                  "question at the prompt's end (the fact and the tokens copied after it), the most "
@@ -97,8 +101,8 @@ class ShardConfig:
                                "the evicted, the cold and the salient tokens (but `salient_read` of them): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
     kl_budget: float = option(0.0, "KL(full || shard) in nats per token the cache may cost on a calibration text "
-                              "(`calibrate_shard`): when above 0, `window`, `salient`, `cold`, `cold_key_bits` and "
-                              "`observe` are chosen per model, the cheapest setting of a short ladder within it, "
+                              "(`calibrate_shard`): when above 0, `window`, `salient`, `cold`, `cold_key_bits`, "
+                              "`observe` and `observe_tail` are chosen per model, the cheapest setting of a short ladder within it, "
                               "measured once per model and options when the first cache is made (needs the model's "
                               "tokenizer: `load_model` attaches it; 0 = the options as given)", low=0)
     kernel: str = option("fast", "compressed-segment decode on CPU: 'fast' (numba kernels: the middle around "
@@ -119,6 +123,8 @@ class ShardConfig:
             self._bad(f"ratio must be 0 (off) or above 1 (a target compression), got {self.ratio}")
         if self.salient_pool % 2 == 0:
             self._bad(f"salient_pool must be an odd number >= 1, got {self.salient_pool}")
+        if self.observe_tail >= self.observe:
+            self._bad(f"observe_tail must be fewer than observe ({self.observe}) queries, got {self.observe_tail}")
 
     @staticmethod
     def _bad(msg: str):
@@ -136,6 +142,11 @@ class ShardConfig:
     def pca_scopes(self, num_kv_heads: int) -> int:
         """Key PCAs per layer: one per KV head, or one for all of them."""
         return num_kv_heads if self.pca_scope == "head" else 1
+
+    @property
+    def observations(self) -> tuple[int, ...]:
+        """How many of the prompt's last queries each observation holds (`observe`, then `observe_tail`)."""
+        return (self.observe, self.observe_tail) if self.observe_tail else (self.observe,)
 
     @property
     def evicts(self) -> bool:

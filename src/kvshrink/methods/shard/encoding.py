@@ -18,7 +18,7 @@ from kvshrink.codecs.rope import undo_rope
 from kvshrink.codecs.vq import fit_codebook
 from kvshrink.kernels import backend
 from kvshrink.kernels.cpu import levels, vq_search
-from kvshrink.methods.shard.salient import observed_attention, pick_salient, pooled, tokens_to_keep
+from kvshrink.methods.shard.salient import most_read, pick_salient, pooled, tokens_to_keep
 from kvshrink.methods.shard.segments import EvictedTokens, MiddleBlock
 
 # Floor of a channel's relative query energy in key_weights="query" (its error weight is never zero).
@@ -95,10 +95,10 @@ class ShardEncoding:
         """The chunk's middle tokens ``start ..`` coded as a block (two when ``cold`` splits off its least-read
         tokens: see `hot_tokens`), and, when ``evict`` drops some, the dropped ones uncoded: the caller holds them until it knows whether the prompt ended with its question (see
         `settle_unread`)."""
-        observer, self._observer = self._observer, None  # this chunk's; a later chunk brings its own
+        observers, self._observers = self._observers, None  # this chunk's; a later chunk brings its own
         importance = read = None
-        if observer is not None and (self.cfg.salient > 0 or self.cfg.evicts):
-            read = observed_attention(observer, key, ctx.scaling)
+        if observers is not None and (self.cfg.salient > 0 or self.cfg.evicts):
+            read = most_read(observers, key, ctx.scaling)
             importance = pooled(read, self.cfg.salient_pool)
             read = read if self.cfg.salient_read > 0 else None
         keep = None

@@ -54,7 +54,7 @@ class ShardLayer(ShardEncoding, CpuAttention, GpuAttention, ReferenceAttention, 
         self.stream = TurboSegment()
         self.decoding = False
         self._query_energy: torch.Tensor | None = None   # key_weights="query": [H_kv, d] of the prompt
-        self._observer: torch.Tensor | None = None       # salient > 0: the chunk's last queries, grouped
+        self._observers: list[torch.Tensor] | None = None  # salient > 0: the chunk's last queries, grouped
         self._sinks_len: int | None = None               # sinks + the prompt's most left padding
 
     def shared_on_fork(self) -> list:
@@ -152,7 +152,7 @@ class ShardLayer(ShardEncoding, CpuAttention, GpuAttention, ReferenceAttention, 
         if ctx.q_len > 1 and self.cfg.key_weights == "query":
             self._query_energy = self.query_pair_energy(query, ctx)
         if ctx.q_len > 1 and (self.cfg.salient > 0 or self.cfg.evicts):
-            self._observer = group_queries(query[:, :, -self.cfg.observe:].float(), self.h_kv)
+            self._observers = [group_queries(query[:, :, -n:].float(), self.h_kv) for n in self.cfg.observations]
         exact = self.exact_partial(query, ctx)
         parts = [exact] if exact is not None else []
         return parts + self.code_partials(query, ctx)
@@ -400,4 +400,4 @@ class ShardLayer(ShardEncoding, CpuAttention, GpuAttention, ReferenceAttention, 
         dtype = exact_storage_dtype(self.cfg.exact_dtype, self.info.dtype)
         self._sinks, self._window, self._ring = ExactStore(dtype), ExactStore(dtype), None
         self.middle, self.unread, self.evicted, self.stream, self.decoding = [], [], [], TurboSegment(), False
-        self._query_energy = self._observer = self._sinks_len = None
+        self._query_energy = self._observers = self._sinks_len = None

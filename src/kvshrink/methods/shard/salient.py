@@ -3,6 +3,7 @@ most (SnapKV's observation window), max-pooled over neighbouring tokens."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -115,6 +116,12 @@ def observed_attention(observer: torch.Tensor, keys: torch.Tensor, scaling: floa
         scores = observer[:, :, r:r + _OBSERVE_ROWS] @ keys.transpose(-1, -2)
         probs += torch.softmax(scores.mul_(scaling), dim=-1).sum(dim=2)
     return probs / rows
+
+
+def most_read(observers: list[torch.Tensor], keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[B, H_kv, n]``: the most any of the observations (`observed_attention`) reads each token."""
+    reads = [observed_attention(observer, keys, scaling) for observer in observers]
+    return functools.reduce(torch.maximum, reads)
 
 
 def pick_salient(importance: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fraction: float,

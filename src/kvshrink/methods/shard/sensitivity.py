@@ -31,11 +31,12 @@ from kvshrink.user_cache import cache_home, read_entry, write_entry
 
 # Settings of the compressed middle, the cheapest first: fewer 8-bit salient rows, more attention coded
 # cold at fewer bits, a shorter exact window. The last one is the fallback when none is within the budget.
-# The cheap rung's cold block is judged by the prompt's last 256 queries: judged by 64 (the question alone),
-# it takes tokens that a copy written later needs.
+# The cheap rung's cold block is judged by the prompt's last 256 queries as well as by its last 64: judged by
+# the 64 alone (the question), it takes tokens that a copy written later needs; by the 256 alone, tokens the
+# continuation reads next.
 LADDER: tuple[dict[str, float | int], ...] = (
-    dict(window=16, salient=0.01, cold=0.15, cold_key_bits=0.5, observe=256),
-    dict(window=32, salient=0.05, cold=0.05, cold_key_bits=1.0, observe=64),
+    dict(window=16, salient=0.01, cold=0.15, cold_key_bits=0.75, observe=256, observe_tail=64),
+    dict(window=32, salient=0.05, cold=0.05, cold_key_bits=1.0, observe=64, observe_tail=0),
 )
 LADDER_OPTIONS = frozenset(name for rung in LADDER for name in rung)
 CALIBRATION_MODULES = ("textwrap", "argparse", "json.decoder", "pathlib", "dataclasses", "functools")
