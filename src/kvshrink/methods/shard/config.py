@@ -102,9 +102,10 @@ class ShardConfig:
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
     kl_budget: float = option(0.0, "KL(full || shard) in nats per token the cache may cost on a calibration text "
                               "(`calibrate_shard`): when above 0, `window`, `salient`, `cold`, `cold_key_bits`, "
-                              "`observe` and `observe_tail` are chosen per model, the cheapest setting of a short ladder within it, "
-                              "measured once per model and options when the first cache is made (needs the model's "
-                              "tokenizer: `load_model` attaches it; 0 = the options as given)", low=0)
+                              "`observe` and `observe_tail` are chosen per model, the cheapest setting of a short "
+                              "ladder within it, measured once per model and options when the first cache is made "
+                              "(needs the model's tokenizer: `load_model` attaches it; 0 = the options as given)",
+                              low=0)
     kernel: str = option("fast", "compressed-segment decode on CPU: 'fast' (numba kernels: the middle around "
                          "one batched product per slice of tokens, its values and the stream in one pass each, "
                          "when kvshrink[fast] is installed; else the torch ops) or 'reference' (torch ops, the "
