@@ -122,13 +122,19 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: str | torch
     return model, tokenizer
 
 
-def model_tokenizer(model: torch.nn.Module, needed_by: str):
-    """The tokenizer `load_model` attached to ``model`` (or a caller did, as ``model.kvshrink_tokenizer``);
-    ValueError naming ``needed_by`` when there is none."""
+def model_tokenizer(model: torch.nn.Module):
+    """``model``'s tokenizer, or None: the one `load_model` attached (or a caller did, as
+    ``model.kvshrink_tokenizer``), else one saved beside the model it was loaded from (its folder, or the local
+    hub cache for a hub id; nothing is downloaded)."""
     tokenizer = getattr(model, TOKENIZER_ATTRIBUTE, None)
-    if tokenizer is None:
-        raise ValueError(f"{needed_by} runs the model on a calibration text and needs its tokenizer: load the model "
-                         f"with kvshrink.load_model (which attaches it), or set model.{TOKENIZER_ATTRIBUTE} = tokenizer")
+    source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    if tokenizer is None and source:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        except (OSError, ValueError, KeyError):  # no tokenizer files there, or ones transformers cannot read
+            tokenizer = None
     return tokenizer
 
 

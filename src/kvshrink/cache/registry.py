@@ -135,9 +135,10 @@ class MethodInfo:
     config: type | None = field(default=None, repr=False)  # the options dataclass, if the method has one
     module: str = ""  # where the method is defined (kvshrink's own methods: kvshrink.methods.*)
     undoes_rope: bool = False  # the method re-rotates keys: make_cache refuses RoPE types it cannot undo exactly
-    # check_named(options, named): the method's check of options that exclude each other, given the resolved
-    # options and the names the caller passed (a default passed explicitly is still a choice)
-    check_named: Callable[[dict[str, Any], frozenset[str]], None] | None = field(default=None, repr=False)
+    # settle_named(options, named) -> options: the method's last word on the resolved options given the names
+    # the caller passed (a default passed explicitly is still a choice): it refuses options that exclude each
+    # other, or lets a named option turn off a default that would otherwise choose it
+    settle_named: Callable[[dict[str, Any], frozenset[str]], dict[str, Any]] | None = field(default=None, repr=False)
 
 
 _METHODS: dict[str, MethodInfo] = {}
@@ -145,7 +146,7 @@ _METHODS: dict[str, MethodInfo] = {}
 
 def register_method(name: str, description: str, options: type | dict[str, Option] | None = None,
                     build: Callable[..., Any] | None = None, undoes_rope: bool = False,
-                    check_named: Callable[[dict[str, Any], frozenset[str]], None] | None = None):
+                    settle_named: Callable[[dict[str, Any], frozenset[str]], dict[str, Any]] | None = None):
     """Class decorator registering a ``CacheLayer`` subclass as method ``name``.
 
     ``options`` is the method's options dataclass (fields made with :func:`option`); each decoder
@@ -153,8 +154,9 @@ def register_method(name: str, description: str, options: type | dict[str, Optio
     ``__post_init__`` may check what involves several options. A method without options passes
     nothing (``cls(spec)``); a plain ``{name: Option}`` dict gives ``cls(spec, **options)``. A method
     that is not built from kvshrink layers (e.g. a wrapper of another cache) passes ``build`` instead,
-    called as ``build(model, info, **options)``. ``check_named(options, named)`` refuses options that
-    exclude each other, knowing which ones the caller named (the builder sees resolved options only).
+    called as ``build(model, info, **options)``. ``settle_named(options, named)`` returns the options to
+    build with, knowing which ones the caller named (the builder sees resolved options only): it refuses
+    options that exclude each other, or turns off a default that a named option overrides.
     """
     config = options if isinstance(options, type) else None
     opts = declared_options(config) if config is not None else dict(options or {})
@@ -166,7 +168,7 @@ def register_method(name: str, description: str, options: type | dict[str, Optio
         if isinstance(cls, type):
             cls.method_name = name
         _METHODS[name] = MethodInfo(name, description, opts, builder, config, getattr(cls, "__module__", ""),
-                                    undoes_rope, check_named)
+                                    undoes_rope, settle_named)
         return cls
 
     return decorate
@@ -234,6 +236,14 @@ def resolve_options(method: MethodInfo, options: dict[str, Any]) -> dict[str, An
     return {k: opt.coerce(k, options.get(k, opt.default)) for k, opt in valid.items()}
 
 
+def settled_options(method: MethodInfo, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a cache is built with: `resolve_options`, then the method's `settle_named` rule."""
+    resolved = resolve_options(method, options)
+    if method.settle_named is not None:
+        resolved = method.settle_named(resolved, frozenset(options))
+    return resolved
+
+
 def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"name:key=value,key=value"`` -> ``("name", {"key": "value", ...})`` (values as strings)."""
     if not isinstance(spec, str) or not spec.strip():
@@ -254,9 +264,7 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     from kvshrink.models import describe_model, require_exact_rope
 
     info_m = get_method(method)
-    resolved = resolve_options(info_m, options)
-    if info_m.check_named is not None:
-        info_m.check_named(resolved, frozenset(options))
+    resolved = settled_options(info_m, options)
     info = describe_model(model)
     if info_m.undoes_rope:
         require_exact_rope(model, info, method)

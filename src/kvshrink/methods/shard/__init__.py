@@ -95,7 +95,7 @@ from kvshrink.cache.registry import register_method
 from kvshrink.methods.shard.calibration import global_key_budgets
 from kvshrink.methods.shard.config import ShardConfig
 from kvshrink.methods.shard.layer import ShardLayer
-from kvshrink.methods.shard.sensitivity import calibrated_options, check_named_options
+from kvshrink.methods.shard.sensitivity import calibrated_options, settle_named_options
 from kvshrink.methods.shard.shared import ShardShared
 
 
@@ -121,5 +121,5 @@ register_method(
     options=ShardConfig,
     build=_build,
     undoes_rope=True,
-    check_named=check_named_options,
+    settle_named=settle_named_options,
 )(ShardLayer)

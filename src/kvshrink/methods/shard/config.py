@@ -17,6 +17,7 @@ KEY_ALLOCS = ("layer", "global")
 PCA_SCOPES = ("layer", "head")
 KEY_WEIGHTS = ("none", "query")
 KERNELS = ("fast", "reference")
+DEFAULT_KL_BUDGET = 0.012  # nats per token; `kl_budget`'s default and `calibrate_shard`'s
 
 
 @dataclass
@@ -24,12 +25,12 @@ class ShardConfig:
     """Shard's options (the one declaration: help, choices and ranges live here)."""
 
     sinks: int = option(4, "first tokens kept exact (attention sinks)", low=0)
-    window: int = option(64, "most recent tokens kept exact", low=0)
-    key_bits: float = option(3.0, "bits per key element for the compressed middle (PCA coefficients)",
+    window: int = option(32, "most recent tokens kept exact", low=0)
+    key_bits: float = option(1.5, "bits per key element for the compressed middle (PCA coefficients)",
                              low=0, high=8, low_open=True)
     v_group: int = option(4, "channels per value VQ group (must divide the head size)", low=1)
     v_codebook: int = option(256, "value VQ codebook entries (power of two, 2..256)", low=2, high=256)
-    v_centre: bool = option(False, "code each KV head's values less their mean over the block (stored in fp16, "
+    v_centre: bool = option(True, "code each KV head's values less their mean over the block (stored in fp16, "
                             "added back by attention): values share a common part of 2-54% of their energy, which "
                             "a codebook centred on zero spends its levels on")
     v_fit: str = option("gaussian", "value codebook: 'gaussian' (fixed, data-independent) or 'kmeans' (refined "
@@ -40,8 +41,9 @@ class ShardConfig:
     pca_group: int = option(0, "PCA components per DP bit-allocation group (0 = H_kv*d/16)", low=0)
     rank: int = option(0, "PCA components computed per scope (0 = one per 4 bits of the scope's key budget: "
                        "key_bits * width / 4)", low=0)
-    pca_scope: str = option("head", "one key PCA per 'layer' (all KV heads stacked, as the source) or per 'head' "
-                            "(3x cheaper to decode with 3 KV heads)", choices=PCA_SCOPES)
+    pca_scope: str = option("layer", "one key PCA per 'layer' (all KV heads stacked, as the source: the heads "
+                            "share components, so the same bits keep more of the keys) or per 'head' (cheaper "
+                            "to decode)", choices=PCA_SCOPES)
     k_levels: str = option("lloyd", "key coefficient levels: 'lloyd' (2**b Gaussian Lloyd-Max levels) or "
                            "'uniform' (symmetric ints, the source's int4)", choices=COEFF_LEVELS)
     drop_penalty: float = option(1.0, "error multiplier for dropping a component group in the DP (1: the "
@@ -79,7 +81,7 @@ class ShardConfig:
     salient_dtype: str = option("int8", "how salient tokens are held: 'exact' (in exact_dtype) or 'int8' (8-bit "
                                 "codes, one float16 step and zero point per token vector: about half the bytes)",
                                 choices=SALIENT_DTYPES)
-    cold: float = option(0.0, "share of each KV head's observed attention (by the prompt's last `observe` queries, "
+    cold: float = option(0.05, "share of each KV head's observed attention (by the prompt's last `observe` queries, "
                          "pooled like `salient`) the middle's least-read tokens may hold together and be coded "
                          "cheaper, in a block of their own: keys at `cold_key_bits`, values in VQ groups of "
                          "`cold_v_group` channels (how many is decided by how peaked the layer's attention is; "
@@ -93,18 +95,21 @@ class ShardConfig:
                                "read as much as the more of the two observations reads it (the question at the "
                                "prompt's end weighs fully while the wider tail protects what copies later read; "
                                "0 = the `observe` queries alone)", low=0)
-    salient_read: float = option(0.0, "share of the salient rows picked as the most read of the tokens themselves "
+    salient_read: float = option(0.25, "share of the salient rows picked as the most read of the tokens themselves "
                                  "rather than in spans around the strongest reads (`salient_pool`): spans serve a "
                                  "question at the prompt's end (the fact and the tokens copied after it), the most "
                                  "read tokens a document compressed before its questions", low=0, high=1)
     salient_pool: int = option(33, "tokens around an attended one that count as attended too (odd) when choosing "
                                "the evicted, the cold and the salient tokens (but `salient_read` of them): a fact "
                                "spans several tokens, and the ones after an attended token are copied next", low=1)
-    kl_budget: float = option(0.0, "KL(full || shard) in nats per token the cache may cost on a calibration text "
-                              "(`calibrate_shard`): when above 0, `window`, `salient`, `cold`, `cold_key_bits`, "
+    kl_budget: float = option(DEFAULT_KL_BUDGET, "KL(full || shard) in nats per token the cache may cost on a "
+                              "calibration text (`calibrate_shard`): `window`, `salient`, `cold`, `cold_key_bits`, "
                               "`observe` and `observe_tail` are chosen per model, the cheapest setting of a short "
                               "ladder within it, measured once per model and options when the first cache is made "
-                              "(needs the model's tokenizer: `load_model` attaches it; 0 = the options as given)",
+                              "and stored for later processes. Naming any of those options turns it off (their "
+                              "defaults are the ladder's careful setting), as does 0; naming both is refused. "
+                              "The calibration tokenizes its text with the tokenizer `load_model` attaches, or one "
+                              "saved beside the model; without one, the careful setting is used, with a warning",
                               low=0)
     kernel: str = option("fast", "compressed-segment decode on CPU: 'fast' (numba kernels: the middle around "
                          "one batched product per slice of tokens, its values and the stream in one pass each, "

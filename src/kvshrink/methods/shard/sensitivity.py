@@ -17,6 +17,8 @@ import hashlib
 import importlib
 import inspect
 import json
+import logging
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +28,11 @@ import torch
 from kvshrink.cache.option_text import format_options
 from kvshrink.cache.registry import get_method, make_cache, resolve_options
 from kvshrink.identity import model_fingerprint
-from kvshrink.models import model_tokenizer
+from kvshrink.methods.shard.config import DEFAULT_KL_BUDGET
+from kvshrink.models import TOKENIZER_ATTRIBUTE, model_tokenizer
 from kvshrink.user_cache import cache_home, read_entry, write_entry
+
+_log = logging.getLogger("kvshrink")
 
 # Settings of the compressed middle, the cheapest first: fewer 8-bit salient rows, more attention coded
 # cold at fewer bits, a shorter exact window. The last one is the fallback when none is within the budget.
@@ -39,8 +44,9 @@ LADDER: tuple[dict[str, float | int], ...] = (
     dict(window=32, salient=0.05, cold=0.05, cold_key_bits=1.0, observe=64, observe_tail=0),
 )
 LADDER_OPTIONS = frozenset(name for rung in LADDER for name in rung)
+# Options the rungs are measured without (every token kept): they do not change the choice.
+UNMEASURED_OPTIONS = frozenset({"evict", "ratio", "kl_budget"})
 CALIBRATION_MODULES = ("textwrap", "argparse", "json.decoder", "pathlib", "dataclasses", "functools")
-DEFAULT_KL_BUDGET = 0.012
 PREFIX_TOKENS = 2048
 CONTINUATION_TOKENS = 256
 
@@ -66,11 +72,17 @@ def refuse_ladder_options(named, who: str) -> None:
         raise ValueError(f"{who} chooses {sorted(LADDER_OPTIONS)}; do not pass {', '.join(chosen_by_ladder)}")
 
 
-def check_named_options(options: dict, named: frozenset[str]) -> None:
-    """Shard's check of the options a caller named: ``kl_budget`` above 0 chooses the ladder's options, so
-    naming one of them too (even at its default value) is refused rather than overridden."""
-    if options["kl_budget"] > 0:
-        refuse_ladder_options(named, "shard: kl_budget")
+def settle_named_options(options: dict, named: frozenset[str]) -> dict:
+    """Shard's rule for the options a caller named: ``kl_budget`` chooses the ladder's options, so a caller who
+    names one of them chooses them instead (``kl_budget`` is then 0, the other ladder options at their
+    defaults, the careful rung), and one who names both is refused rather than overridden."""
+    if "kl_budget" in named:
+        if options["kl_budget"] > 0:
+            refuse_ladder_options(named, "shard: kl_budget")
+        return options
+    if LADDER_OPTIONS & named:
+        return {**options, "kl_budget": 0.0}
+    return options
 
 
 def calibration_text() -> str:
@@ -114,10 +126,15 @@ def calibrate_shard(model: torch.nn.Module, tokenizer, kl_budget: float = DEFAUL
     measured keeping every token (``evict=0``); the returned options keep ``evict`` as given. Costs one uncached
     forward over ``PREFIX_TOKENS + CONTINUATION_TOKENS`` tokens and one cached forward per rung tried.
     """
+    check_calibration(kl_budget, options)
+    return _calibrate(model, _calibration_ids(tokenizer, model), kl_budget, options)
+
+
+def _calibrate(model: torch.nn.Module, ids: tuple[torch.Tensor, torch.Tensor], kl_budget: float,
+               options: dict) -> ShardCalibration:
     from transformers import DynamicCache
 
-    check_calibration(kl_budget, options)
-    prefix, continuation = _calibration_ids(tokenizer, model)
+    prefix, continuation = ids
     reference = continuation_logprobs(model, prefix, continuation, DynamicCache())
     tried = []
     for rung in LADDER:
@@ -138,26 +155,42 @@ def calibrated_options(model: torch.nn.Module, options: dict) -> dict:
     """Shard's resolved ``options`` (``kl_budget`` above 0) with the ladder's options chosen for ``model`` and
     ``kl_budget`` set to 0: measured by `calibrate_shard` on the first call for a model, budget and options,
     remembered for the calls after (a cache per prompt calibrates once) and stored for later processes
-    (`calibration_entry`). `check_named_options` has refused a ladder option named beside the budget."""
-    others = {k: v for k, v in options.items() if k not in LADDER_OPTIONS and k != "kl_budget"}
-    key = (options["kl_budget"], tuple(sorted(others.items())))
+    (`calibration_entry`). Without a tokenizer for the calibration text, the last (careful) rung, with a
+    warning. `settle_named_options` has refused a ladder option named beside the budget."""
+    measured = {k: v for k, v in options.items() if k not in LADDER_OPTIONS | UNMEASURED_OPTIONS}
+    key = (options["kl_budget"], tuple(sorted(measured.items())))
     chosen = _CHOSEN.setdefault(model, {})
     if key not in chosen:
-        tokenizer = model_tokenizer(model, "shard's kl_budget")
-        entry = calibration_entry(model, tokenizer, options["kl_budget"], others)
-        rung = read_entry(entry)
-        if rung not in LADDER:   # none stored, or one another ladder chose
-            rung = calibrate_shard(model, tokenizer, options["kl_budget"], **others).tried[-1][0]
-            write_entry(entry, rung)
-        chosen[key] = rung
+        chosen[key] = _stored_or_measured_rung(model, options["kl_budget"], measured)
     return {**options, **chosen[key], "kl_budget": 0.0}
 
 
-def calibration_entry(model: torch.nn.Module, tokenizer, kl_budget: float, others: dict) -> Path:
+def _stored_or_measured_rung(model: torch.nn.Module, kl_budget: float, measured: dict) -> dict:
+    tokenizer = model_tokenizer(model)
+    if tokenizer is None:
+        warnings.warn(f"kvshrink: shard's kl_budget measures the model on a calibration text, and this model has no "
+                      f"tokenizer (none attached as model.{TOKENIZER_ATTRIBUTE}, none saved beside it): using the "
+                      f"careful setting {format_options(LADDER[-1])}. Load the model with kvshrink.load_model, or "
+                      f"set model.{TOKENIZER_ATTRIBUTE} = tokenizer, to let it choose", stacklevel=5)
+        return dict(LADDER[-1])
+    ids = _calibration_ids(tokenizer, model)
+    entry = calibration_entry(model, ids, kl_budget, measured)
+    rung = read_entry(entry)
+    if rung not in LADDER:   # none stored, or one another ladder chose
+        _log.warning("kvshrink: measuring shard's coding on this model for kl_budget=%g (once per model and "
+                     "options; stored in %s)...", kl_budget, entry.parent)
+        rung = _calibrate(model, ids, kl_budget, measured).tried[-1][0]
+        write_entry(entry, rung)
+    return rung
+
+
+def calibration_entry(model: torch.nn.Module, ids: tuple[torch.Tensor, torch.Tensor], kl_budget: float,
+                      others: dict) -> Path:
     """Where the rung chosen for this model, budget and options is stored between processes: named by a SHA-256
-    of everything the choice depends on (the model's fingerprint, dtype and device, the calibration tokens, the
-    ladder, the budget and options, and kvshrink's source), so a change in any of them measures again."""
-    prefix, continuation = _calibration_ids(tokenizer, model)
+    of everything the choice depends on (the model's fingerprint, dtype and device, the calibration tokens
+    ``ids``, the ladder, the budget and options, and kvshrink's source), so a change in any of them measures
+    again."""
+    prefix, continuation = ids
     key = hashlib.sha256()
     for part in (model_fingerprint(model), next(model.parameters()).device.type,
                  json.dumps([LADDER, kl_budget, sorted(others.items())], default=str), _source_digest()):
