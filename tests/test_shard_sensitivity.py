@@ -160,7 +160,8 @@ def test_the_chosen_rung_is_stored_for_the_next_process(model_with_tokenizer, to
         return twin
 
     assert _forwards_to_make(same_model(), kl_budget=1e-12) == 0
-    assert _forwards_to_make(same_model(), kl_budget=1e-12, evict=0.5) == measure   # other options
+    assert _forwards_to_make(same_model(), kl_budget=1e-12, key_bits=2) == measure  # other options
+    assert _forwards_to_make(same_model(), kl_budget=1e-12, evict=0.5, ratio=12) == 0  # ones rungs are measured without
     assert _forwards_to_make(same_model(), kl_budget=2e-12) == measure               # another budget
     other = tiny_model(seed=1, vocab_size=len(tokenizer), max_position_embeddings=4096)
     other.kvshrink_tokenizer = tokenizer
@@ -195,15 +196,50 @@ def test_kl_budget_chooses_the_rung_once_per_model_and_records_it(model_with_tok
     assert loaded.options == cache.options
 
 
+def test_the_ladder_options_default_to_the_careful_rung():
+    """Naming one ladder option keeps the others at the fallback rung's values, not at cheaper ones."""
+    defaults = ShardConfig()
+    assert {name: getattr(defaults, name) for name in LADDER_OPTIONS} == LADDER[-1]
+    assert defaults.kl_budget > 0  # the default cache calibrates
+
+
 @pytest.mark.parametrize("named", [dict(window=8), dict(window=64, cold=0.0)])  # defaults named are choices too
-def test_kl_budget_with_a_ladder_option_or_without_a_tokenizer_is_refused(model_with_tokenizer, named):
+def test_kl_budget_named_with_a_ladder_option_is_refused(model_with_tokenizer, named):
     with pytest.raises(ValueError, match=f"shard: kl_budget chooses .*; do not pass {', '.join(sorted(named))}$"):
         kvshrink.make_cache("shard", model_with_tokenizer, kl_budget=0.01, **named)
     kvshrink.make_cache("shard", model_with_tokenizer, kl_budget=0, **named)  # without the budget they are fine
-    bare = tiny_model(vocab_size=128)
-    with pytest.raises(ValueError, match="needs its tokenizer.*kvshrink.load_model"):
-        kvshrink.make_cache("shard", bare, kl_budget=0.01)
-    assert kvshrink.make_cache("shard", bare).options["kl_budget"] == 0  # off by default: nothing measured
+
+
+@pytest.mark.parametrize("named", [dict(window=8), dict(cold=0.0, observe=128)])
+def test_a_ladder_option_named_alone_turns_the_default_budget_off(model_with_tokenizer, named):
+    forwards = _forwards_to_make(model_with_tokenizer, **named)
+    cache = kvshrink.make_cache("shard", model_with_tokenizer, **named)
+    assert forwards == 0 and cache.options["kl_budget"] == 0
+    assert {k: cache.options[k] for k in LADDER_OPTIONS} == {**LADDER[-1], **named}
+
+
+def test_without_a_tokenizer_the_careful_rung_is_used_with_a_warning(tokenizer):
+    bare = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=4096)
+    for options in (dict(), dict(kl_budget=0.05)):
+        with pytest.warns(UserWarning, match="has no tokenizer .* using the careful setting window=32"):
+            forwards = _forwards_to_make(bare, **options)
+        made = kvshrink.make_cache("shard", bare, **options)  # remembered for the model: no second warning
+        assert forwards == 0
+        assert {k: made.options[k] for k in LADDER_OPTIONS} == LADDER[-1] and made.options["kl_budget"] == 0
+
+
+def test_a_tokenizer_saved_beside_the_model_serves_the_calibration(model_with_tokenizer, tokenizer, tmp_path,
+                                                                   monkeypatch):
+    """A model loaded with transformers from a folder holding its tokenizer calibrates as `load_model`'s does."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("KVSHRINK_CACHE_HOME", str(tmp_path / "home"))
+    model_with_tokenizer.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert not hasattr(loaded, "kvshrink_tokenizer")
+    assert _forwards_to_make(loaded, kl_budget=1e-12) == 2 * (1 + len(LADDER))
+    assert not hasattr(loaded, "kvshrink_tokenizer")  # the caller's model is left as it was
 
 
 def test_load_model_attaches_its_tokenizer(real_model):

@@ -30,7 +30,8 @@ KEPT_FIELDS = ("spec", "method", "task", "length", "actual_tokens", "sample", "p
 KEEPS = {
     "full": "every token, in the model's dtype (the reference)",
     "shard": "sinks and window exact; middle: PCA-coded keys (RoPE undone), vector-quantized values, the "
-             "most-read tokens in 8 bits, the least-read dropped when decoding follows the prompt",
+             "most-read tokens in 8 bits, the least-read coded cheaper (how much: calibrated per model) or "
+             "dropped when decoding follows the prompt",
     "shard:evict=0": "the same, every middle token kept (as a document compressed before its questions)",
     "lrqk": "fast tier: rank-r key factors, top-k slots and a window (every token in a slow tier: host "
             "memory or disk, not counted)",

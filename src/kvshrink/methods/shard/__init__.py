@@ -6,8 +6,8 @@ stream:
 * **sinks / window**: the first ``sinks`` tokens (after any left padding) and the last ``window``
   tokens, exact in ``exact_dtype`` (the model's dtype for 16-bit models, fp16 for fp32 ones, by default).
 * **middle** (prompt tokens that leave the window during prefill), one block per prefill chunk:
-  - K: RoPE undone exactly; centred PCA per KV head (``pca_scope="head"``, the default) or of the
-    keys of all KV heads stacked per token (``pca_scope="layer"``, the source's choice), one component
+  - K: RoPE undone exactly; centred PCA of the keys of all KV heads stacked per token
+    (``pca_scope="layer"``, the default and the source's choice) or per KV head (``pca_scope="head"``), one component
     per 4 bits of the scope's budget by default (``rank``); bits per group of ``pca_group`` components
     from {0, 2, 4, 6, 8} by the DP of `codecs.bit_allocation.allocate_bits` (each width's measured
     Gaussian error against a dropped group's variance) under the layer's budget; int8 basis with
@@ -37,10 +37,11 @@ with the codebook, scaling and inverse rotation once per block). The full-precis
 middle segment never exists for the whole sequence. Each segment answers with a `Partial`
 (log-sum-exp), merged exactly by the framework.
 
-Why per-head PCA by default: on the embedded model (3 KV heads of 64) at 2K tokens and 2 bits per
-key element it found 3/3 needles where the per-layer PCA found 2/3, its bases are 3x smaller
-(ratio 6.1x vs 5.6x), and rebuilding keys costs ``T * r_h * d`` per head instead of
-``T * r * H_kv * d``. Both share the layer's budget through one DP over all heads' component groups.
+Why one PCA per layer by default: a layer's KV heads share key directions, so at 1.5 bits per key element
+the joint basis keeps more of the keys than one per head (on the embedded model at 4K, half the KL of
+per-head PCAs; benchmarks/shard-ratio/README.md, "Lever by lever"). Per head, the bases are smaller and rebuilding keys costs
+``T * r_h * d`` per head instead of ``T * r * H_kv * d``. Both share the layer's budget through one DP over all
+heads' component groups.
 
 Salient tokens (beyond the source, ``salient``): a small share of each block's middle tokens per KV
 head is also kept exact: those the prompt's last ``observe`` queries attend to most (SnapKV's
@@ -49,7 +50,7 @@ matters most is the error on the tokens attention actually reads: on the embedde
 of the middle exact lowers the KL divergence of the next-token distributions from ``full``'s at 2K,
 4K and 8K and finds every needle ``full`` finds on the standard grid, where the plain recipe loses two
 of three at 8K (README). Their codes stay in the block and are masked out of its softmax, so the
-held copies replace them. By default 5% are held (with 3-bit keys), as 8-bit codes (``salient_dtype="int8"``: one
+held copies replace them. By default (the careful rung below) 5% are held, as 8-bit codes (``salient_dtype="int8"``: one
 float16 step and zero point per token vector, 68 bytes per 64 channels against 128): on the embedded
 model at 8K, 3% of the middle held so gives the same KL divergence from ``full`` as exact copies
 (docs/methods/shard.md).
@@ -71,7 +72,7 @@ document compressed before its questions keeps every fact its later questions as
 loses when they are dropped anyway: docs/methods/shard.md). ``ratio=0`` leaves ``evict``'s share
 alone to decide; ``evict=0`` keeps every token.
 
-Cold tokens (beyond the source, ``cold``, off by default): the bits go where the observed queries read. Each
+Cold tokens (beyond the source, ``cold``): the bits go where the observed queries read. Each
 block's least-read middle tokens, in ascending order of the largest share of the observation queries'
 attention any KV head gives them, while they hold at most ``cold`` of every head's share, are coded as a
 block of their own over the same span (a kept-token map, as an evicted block's): their own PCA at
@@ -79,6 +80,13 @@ block of their own over the same span (a kept-token map, as an evicted block's):
 1 bit per value element), with the same decode paths (each block's codebook shape gives its group size and
 code width). How many go is decided by how peaked the layer's attention is, not by a fixed count; the salient
 rows stay as many as the whole block would hold, all in the hot block.
+
+Calibration to the model (beyond the source, ``kl_budget``, on by default): how many salient rows, how much
+of the attention coded cold and how long the exact window are chosen per model, as the cheapest rung of
+`sensitivity.LADDER` whose KL(full || shard) on a calibration text stays within the budget. Models differ
+several-fold in how far their answers move for the same coding error, so one fixed setting is too careful for
+one model or too lossy for another. The measurement runs once per model and options, when the first cache is
+made, and is stored for later processes; naming any of the ladder's options chooses them instead.
 
 Per-layer budgets (beyond the source): with ``key_alloc="global"`` the key bit budget is shared by
 all layers: layers whose pre-RoPE keys are more low-rank get fewer bits. The allocation is a DP over
