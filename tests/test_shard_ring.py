@@ -45,8 +45,8 @@ def test_ring_decode_equals_the_generic_path(monkeypatch, dtype, opts):
         exact = dtype == torch.float32
         for x, y in zip(a.stream.tensors(), b.stream.tensors()):
             assert x.shape == y.shape
-            if exact:
-                assert (x != y).float().mean() <= 0.02
+            if exact:  # a flip in a tensor of a few dozen values is more than 2% of it
+                assert int((x != y).sum()) <= max(1, 0.02 * x.numel())
         assert a._ring is not None
         slot = a._ring.nbytes() // a._ring.keys.shape[2]
         # the ring's stream is a buffer written in place (numba or Triton): its free slots are held bytes

@@ -52,14 +52,14 @@ def fit_pca(x: torch.Tensor, rank: int, *, niter: int = 24, seed: int = 0, metho
     n, dim = xf.shape
     rank = max(1, min(rank, dim, n))
     mean = xf.mean(0)
-    centred = xf - mean
-    total = float(centred.pow(2).sum() / n)
     if method == "exact" or (method == "auto" and dim <= 1024):
-        cov = (centred.T @ centred).double() / n
+        cov = _centred_covariance(xf, mean)
         evals, evecs = torch.linalg.eigh(cov)
         order = torch.argsort(evals, descending=True)[:rank]
         return PCAFit(mean=mean, basis=evecs[:, order].float().contiguous(),
-                      variances=evals[order].clamp_min(0).float(), total_variance=total)
+                      variances=evals[order].clamp_min(0).float(), total_variance=float(cov.trace()))
+    centred = xf - mean
+    total = float(torch.linalg.vector_norm(centred) ** 2 / n)
     # svd_lowrank draws from the global RNG: fork it so the fit is reproducible and the caller's
     # random state is untouched.
     devices = [centred.device] if centred.device.type == "cuda" else []
@@ -67,6 +67,19 @@ def fit_pca(x: torch.Tensor, rank: int, *, niter: int = 24, seed: int = 0, metho
         torch.manual_seed(seed)
         _, s, v = torch.svd_lowrank(centred, q=rank, niter=niter)
     return PCAFit(mean=mean, basis=v.contiguous(), variances=s.pow(2) / n, total_variance=total)
+
+
+_SLICE_ROWS = 4096  # rows centred at once by `fit_pca` and `encode_pca`
+
+
+def _centred_covariance(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """``[D, D]`` float64 covariance of the rows of ``x [N, D]`` about ``mean``, summed over slices of rows: a
+    centred copy of ``x`` (a layer's prompt keys, in compression) never exists at once."""
+    cov = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    for i in range(0, x.shape[0], _SLICE_ROWS):
+        part = x[i:i + _SLICE_ROWS] - mean
+        cov.addmm_(part.T, part)
+    return cov.double() / x.shape[0]
 
 
 def quantize_basis(basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +177,17 @@ def _best_steps(coeffs: torch.Tensor, base_step: torch.Tensor, bits: int, levels
     return steps.squeeze(1).gather(0, err.argmin(0, keepdim=True)).squeeze(0)
 
 
+def _projected(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) @ basis`` for rows ``x [..., N, D]``, a slice of rows at a time: a centred copy of ``x`` never
+    exists at once (centred before the product, not after it: keys with a large shared part, such as a key
+    bias, would lose their small differences to float32 rounding)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], basis.shape[1], dtype=torch.float32, device=x.device)
+    for i in range(0, rows.shape[0], _SLICE_ROWS):
+        torch.mm(rows[i:i + _SLICE_ROWS].float() - mean, basis, out=out[i:i + _SLICE_ROWS])
+    return out.reshape(*x.shape[:-1], basis.shape[1])
+
+
 def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | torch.Tensor,
                fit_rows: torch.Tensor | None = None, levels: str = "uniform",
                column_scale: torch.Tensor | None = None, quantize: QuantizeUnit = quantize_unit) -> PCACode:
@@ -187,7 +211,7 @@ def encode_pca(x: torch.Tensor, fit: PCAFit, bits_per_component: list[int] | tor
     mean16 = fit.mean.to(torch.float16)
     # Project on the basis the decoder will use (int8), around the mean it will use (fp16).
     deq = basis_q.float() * basis_scale.float()
-    coeffs = (x.float() - mean16.float()) @ deq
+    coeffs = _projected(x, mean16.float(), deq)
     sample = coeffs if fit_rows is None else coeffs[fit_rows]
     std = sample.reshape(-1, coeffs.shape[-1]).std(0).clamp_min(1e-8) if sample.numel() else \
         torch.ones(coeffs.shape[-1], device=coeffs.device)

@@ -88,8 +88,9 @@ class ShardConfig:
                          "0 = every middle token coded alike)", low=0, high=1)
     cold_key_bits: float = option(1.0, "bits per key element of the cold tokens (see `cold`; scaled with the layer's "
                                   "budget when key_alloc='global')", low=0, high=8, low_open=True)
-    cold_v_group: int = option(8, "channels per value VQ group of the cold tokens (see `cold`; `v_codebook` "
-                               "entries: 8 channels with 256 entries is 1 bit per value element)", low=1)
+    cold_v_group: int = option(0, "channels per value VQ group of the cold tokens (see `cold`; `v_codebook` "
+                               "entries: 8 channels with 256 entries is 1 bit per value element; 0 = the largest "
+                               "divisor of the head size up to 8)", low=0)
     observe: int = option(64, "last prompt queries whose attention picks the salient and the evicted tokens", low=1)
     observe_tail: int = option(0, "the last of the `observe` queries that also judge on their own: a token counts as "
                                "read as much as the more of the two observations reads it (the question at the "
@@ -140,10 +141,15 @@ class ShardConfig:
         """The checks that depend on the model's attention shape."""
         if head_dim % self.v_group:
             self._bad(f"v_group must divide the head size {head_dim}, got {self.v_group}")
-        if self.cold > 0 and head_dim % self.cold_v_group:
+        if self.cold > 0 and self.cold_v_group and head_dim % self.cold_v_group:
             self._bad(f"cold_v_group must divide the head size {head_dim}, got {self.cold_v_group}")
         if self.rank > head_dim * num_kv_heads:
             self._bad(f"rank must be in 0..{head_dim * num_kv_heads} (0 = all), got {self.rank}")
+
+    def cold_group(self, head_dim: int) -> int:
+        """Channels per value VQ group of the cold tokens: `cold_v_group`, or for 0 the largest divisor of the head
+        size up to 8 (8 on every head size a multiple of 8)."""
+        return self.cold_v_group or max(g for g in range(1, 9) if head_dim % g == 0)
 
     def pca_scopes(self, num_kv_heads: int) -> int:
         """Key PCAs per layer: one per KV head, or one for all of them."""

@@ -229,8 +229,12 @@ class ShardEncoding:
 
         def scope_rows(s: int) -> torch.Tensor:
             """Pre-RoPE keys of scope ``s`` ``[B, n, width]``, divided by its column scale."""
-            x = kept_rows(undo_rope(key[:, s], cos, sin), rows, 1) if scopes == h else \
-                kept_rows(undo_rope(key, cos, sin), rows, 2).transpose(1, 2).reshape(b, n, h * d)
+            if scopes == h:
+                x = kept_rows(undo_rope(key[:, s], cos, sin), rows, 1)
+            else:  # the heads side by side, each undone into its columns: one head's copy alive at a time
+                x = torch.empty(b, n, h * d, dtype=torch.promote_types(key.dtype, cos.dtype), device=key.device)
+                for head in range(h):
+                    x[:, :, head * d:(head + 1) * d] = kept_rows(undo_rope(key[:, head], cos, sin), rows, 1)
             return x if scales[s] is None else x.div_(scales[s].float())
 
         rank = self.key_rank(width, bits)

@@ -27,7 +27,7 @@ class ShardShared:
         self.turbo = TurboQuantizer(head_dim, cfg.stream_bits, qjl=cfg.qjl, seed=cfg.seed + 1)
         self.v_codebook = gaussian_codebook(cfg.v_group, cfg.v_codebook, seed=cfg.seed, assign=vq_search.assign_codes)
         # the cold tokens' codebook (cold > 0): as many entries over more channels, fewer bits per value
-        self.cold_codebook = gaussian_codebook(cfg.cold_v_group, cfg.v_codebook, seed=cfg.seed,
+        self.cold_codebook = gaussian_codebook(cfg.cold_group(head_dim), cfg.v_codebook, seed=cfg.seed,
                                                assign=vq_search.assign_codes) if cfg.cold > 0 else None
         self.layer_key_bits: list[float] = [cfg.key_bits] * num_layers
         # The key coefficient levels of every width the bit allocation may pick, computed now (once per
