@@ -245,3 +245,18 @@ def test_a_tokenizer_saved_beside_the_model_serves_the_calibration(model_with_to
 def test_load_model_attaches_its_tokenizer(real_model):
     model, tokenizer = real_model
     assert model.kvshrink_tokenizer is tokenizer
+
+
+def test_a_store_finds_a_calibrated_cache_by_the_options_it_was_asked_with(model_with_tokenizer, tokenizer, tmp_path,
+                                                                           monkeypatch):
+    """The cache records the rung its calibration chose (budget spent); a lookup with the options the caller
+    gave (the budget, no rung) is scoped by what such a cache holds, so it finds the entry `put` stored."""
+    from kvshrink import CacheStore
+
+    monkeypatch.setenv("KVSHRINK_CACHE_HOME", str(tmp_path / "home"))
+    store = CacheStore(tmp_path / "store")
+    ids = tokenizer(calibration_text()[:3000], return_tensors="pt")["input_ids"][:, :300]
+    cache, how = store.cache_for(model_with_tokenizer, ids, "shard", kl_budget=1e-12, min_block=32)
+    assert how == "computed" and cache.options["kl_budget"] == 0
+    again, how = store.cache_for(model_with_tokenizer, ids, "shard", kl_budget=1e-12, min_block=32)
+    assert how == "hit" and again.options == cache.options

@@ -139,6 +139,9 @@ class MethodInfo:
     # the caller passed (a default passed explicitly is still a choice): it refuses options that exclude each
     # other, or lets a named option turn off a default that would otherwise choose it
     settle_named: Callable[[dict[str, Any], frozenset[str]], dict[str, Any]] | None = field(default=None, repr=False)
+    # choose(model, options) -> options: what the method decides per model before a cache is built (a
+    # calibration); the cache records the result, so a store scopes and a saved file reloads by it
+    choose: Callable[[torch.nn.Module, dict[str, Any]], dict[str, Any]] | None = field(default=None, repr=False)
 
 
 _METHODS: dict[str, MethodInfo] = {}
@@ -146,7 +149,8 @@ _METHODS: dict[str, MethodInfo] = {}
 
 def register_method(name: str, description: str, options: type | dict[str, Option] | None = None,
                     build: Callable[..., Any] | None = None, undoes_rope: bool = False,
-                    settle_named: Callable[[dict[str, Any], frozenset[str]], dict[str, Any]] | None = None):
+                    settle_named: Callable[[dict[str, Any], frozenset[str]], dict[str, Any]] | None = None,
+                    choose: Callable[[torch.nn.Module, dict[str, Any]], dict[str, Any]] | None = None):
     """Class decorator registering a ``CacheLayer`` subclass as method ``name``.
 
     ``options`` is the method's options dataclass (fields made with :func:`option`); each decoder
@@ -157,6 +161,7 @@ def register_method(name: str, description: str, options: type | dict[str, Optio
     called as ``build(model, info, **options)``. ``settle_named(options, named)`` returns the options to
     build with, knowing which ones the caller named (the builder sees resolved options only): it refuses
     options that exclude each other, or turns off a default that a named option overrides.
+    ``choose(model, options)`` returns the options for ``model`` (e.g. measured by a calibration).
     """
     config = options if isinstance(options, type) else None
     opts = declared_options(config) if config is not None else dict(options or {})
@@ -168,7 +173,7 @@ def register_method(name: str, description: str, options: type | dict[str, Optio
         if isinstance(cls, type):
             cls.method_name = name
         _METHODS[name] = MethodInfo(name, description, opts, builder, config, getattr(cls, "__module__", ""),
-                                    undoes_rope, settle_named)
+                                    undoes_rope, settle_named, choose)
         return cls
 
     return decorate
@@ -254,6 +259,14 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), options
 
 
+def cache_options(method: str, model: torch.nn.Module, **options: Any) -> dict[str, Any]:
+    """The options a cache of ``method`` made for ``model`` with ``options`` holds (``cache.options``): settled,
+    then chosen for the model where the method chooses (Shard's ``kl_budget``)."""
+    info_m = get_method(method)
+    resolved = settled_options(info_m, options)
+    return info_m.choose(model, resolved) if info_m.choose is not None else resolved
+
+
 def make_cache(method: str, model: torch.nn.Module, **options: Any):
     """A cache of method ``method`` for ``model``, to pass to ``model.generate(past_key_values=...)``.
 
@@ -264,11 +277,11 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     from kvshrink.models import describe_model, require_exact_rope
 
     info_m = get_method(method)
-    resolved = settled_options(info_m, options)
+    settled_options(info_m, options)  # a bad option fails before the model is looked at
     info = describe_model(model)
     if info_m.undoes_rope:
         require_exact_rope(model, info, method)
-    cache = info_m.build(model, info, **resolved)
+    cache = info_m.build(model, info, **cache_options(method, model, **options))
     cache.model_fingerprint = model_fingerprint(model)  # cache.save() records which model made it
     return cache
 

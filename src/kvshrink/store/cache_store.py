@@ -81,12 +81,22 @@ class _Scope:
 
 
 def _scope(fingerprint: str, dtype: str, method: str, options: dict[str, Any], namespace: str) -> _Scope:
+    """The scope of caches holding ``options`` (a cache's own, as `cache_options` gives them)."""
     from kvshrink.cache.persist import FORMAT_VERSION
     from kvshrink.cache.registry import get_method, resolve_options
 
     resolved = resolve_options(get_method(method), options)
     scope = scope_id(fingerprint, dtype, method, resolved, FORMAT_VERSION)
     return _Scope(Keys(namespace, scope), scope, method, resolved)
+
+
+def _asked_scope(model: torch.nn.Module, method: str, options: dict[str, Any], namespace: str) -> _Scope:
+    """The scope of the cache ``make_cache(method, model, **options)`` would make: what it holds, as chosen for
+    the model (Shard's calibration), so a lookup finds what `put` stored from such a cache."""
+    from kvshrink.cache.registry import cache_options
+
+    chosen = cache_options(method, model, **options)
+    return _scope(model_fingerprint(model), _model_dtype(model), method, chosen, namespace)
 
 
 def _model_dtype(model: torch.nn.Module) -> str:
@@ -146,7 +156,7 @@ class CacheStore:
         if limit <= 0:
             self.stats.misses += 1
             return None
-        scope = _scope(model_fingerprint(model), _model_dtype(model), method, options, self.namespace)
+        scope = _asked_scope(model, method, options, self.namespace)
         try:
             for n, ids_hash in self._candidates(scope, arr, limit):
                 cache = self._load(scope, arr, n, ids_hash, model)
@@ -263,7 +273,7 @@ class CacheStore:
         cache = self.get(model, arr, method, **options)
         if cache is not None and cache.get_seq_length() == n:
             return cache, "hit"
-        scope = _scope(model_fingerprint(model), _model_dtype(model), method, options, self.namespace)
+        scope = _asked_scope(model, method, options, self.namespace)
         ids_hash = prefix_hashes(arr, [n])[n]
         lock_key, token = scope.keys.lock(ids_hash), uuid.uuid4().hex.encode()
         while True:
@@ -321,7 +331,7 @@ class CacheStore:
     def entry_info(self, model: torch.nn.Module, ids: Any, method: str, **options: Any) -> dict | None:
         """What the store holds for exactly ``ids``: tokens, value and manifest bytes, chunk count (no chunk is read)."""
         arr = ids_array(ids)
-        scope = _scope(model_fingerprint(model), _model_dtype(model), method, options, self.namespace)
+        scope = _asked_scope(model, method, options, self.namespace)
         raw = self.backend.get(scope.keys.manifest(prefix_hashes(arr, [len(arr)])[len(arr)]))
         if raw is None:
             return None

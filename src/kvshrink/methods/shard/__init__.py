@@ -111,8 +111,6 @@ def _build(model: torch.nn.Module, info, **options):
     from kvshrink.cache.base import KVShrinkCache
     from kvshrink.cache.integration import install
 
-    if options["kl_budget"] > 0:  # the ladder's options chosen for this model; the cache records them
-        options = calibrated_options(model, options)
     cfg = ShardConfig(**options)
     cfg.validate(info.head_dim, info.num_kv_heads)
     shared = ShardShared(cfg, info.num_layers, info.head_dim, info.num_kv_heads)
@@ -130,4 +128,5 @@ register_method(
     build=_build,
     undoes_rope=True,
     settle_named=settle_named_options,
+    choose=calibrated_options,
 )(ShardLayer)
