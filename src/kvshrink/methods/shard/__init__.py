@@ -7,8 +7,8 @@ stream:
   tokens, exact in ``exact_dtype`` (the model's dtype for 16-bit models, fp16 for fp32 ones, by default).
 * **middle** (prompt tokens that leave the window during prefill), one block per prefill chunk:
   - K: RoPE undone exactly; centred PCA of the keys of all KV heads stacked per token
-    (``pca_scope="layer"``, the default and the source's choice) or per KV head (``pca_scope="head"``), one component
-    per 4 bits of the scope's budget by default (``rank``); bits per group of ``pca_group`` components
+    (``pca_scope="layer"``, the default and the source's choice) or per KV head (``pca_scope="head"``), one
+    component per 4 bits of the scope's budget by default (``rank``); bits per group of ``pca_group`` components
     from {0, 2, 4, 6, 8} by the DP of `codecs.bit_allocation.allocate_bits` (each width's measured
     Gaussian error against a dropped group's variance) under the layer's budget; int8 basis with
     per-column scales;

@@ -153,8 +153,8 @@ _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def calibrated_options(model: torch.nn.Module, options: dict) -> dict:
     """Shard's resolved ``options`` as given when ``kl_budget`` is 0; else with the ladder's options chosen for
-    ``model`` and ``kl_budget`` set to 0: measured by `calibrate_shard` on the first call for a model, budget and options,
-    remembered for the calls after (a cache per prompt calibrates once) and stored for later processes
+    ``model`` and ``kl_budget`` set to 0: measured by `calibrate_shard` on the first call for a model, budget and
+    options, remembered for the calls after (a cache per prompt calibrates once) and stored for later processes
     (`calibration_entry`). Without a tokenizer for the calibration text, the last (careful) rung, with a
     warning. `settle_named_options` has refused a ladder option named beside the budget."""
     if options["kl_budget"] <= 0:
