@@ -263,8 +263,11 @@ def cache_options(method: str, model: torch.nn.Module, **options: Any) -> dict[s
     """The options a cache of ``method`` made for ``model`` with ``options`` holds (``cache.options``): settled,
     then chosen for the model where the method chooses (Shard's ``kl_budget``)."""
     info_m = get_method(method)
-    resolved = settled_options(info_m, options)
-    return info_m.choose(model, resolved) if info_m.choose is not None else resolved
+    return _chosen(info_m, model, settled_options(info_m, options))
+
+
+def _chosen(method: MethodInfo, model: torch.nn.Module, settled: dict[str, Any]) -> dict[str, Any]:
+    return method.choose(model, settled) if method.choose is not None else settled
 
 
 def make_cache(method: str, model: torch.nn.Module, **options: Any):
@@ -277,11 +280,11 @@ def make_cache(method: str, model: torch.nn.Module, **options: Any):
     from kvshrink.models import describe_model, require_exact_rope
 
     info_m = get_method(method)
-    settled_options(info_m, options)  # a bad option fails before the model is looked at
+    settled = settled_options(info_m, options)  # a bad option fails before the model is looked at
     info = describe_model(model)
     if info_m.undoes_rope:
         require_exact_rope(model, info, method)
-    cache = info_m.build(model, info, **cache_options(method, model, **options))
+    cache = info_m.build(model, info, **_chosen(info_m, model, settled))
     cache.model_fingerprint = model_fingerprint(model)  # cache.save() records which model made it
     return cache
 
