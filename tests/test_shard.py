@@ -429,8 +429,8 @@ def test_salient_tokens_of_an_evicting_block_hold_the_models_keys_and_values_of_
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
     full = kvshrink.make_cache("full", model)
-    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, evict=0.2, salient=0.1, salient_dtype="exact",
-                                  min_block=8)
+    shard = kvshrink.make_cache("shard", model, keep_tokens=0, sinks=4, window=8, evict=0.2, salient=0.1,
+                                salient_dtype="exact", min_block=8)
     prefill(model, full, ids)
     prefill(model, shard, ids)
     checked = 0
@@ -518,7 +518,7 @@ def test_a_ratio_target_is_what_the_cache_holds_after_the_first_decode_step(targ
     ids = torch.randint(0, 128, (1, 1200), generator=torch.Generator().manual_seed(0))
     every = kvshrink.make_cache("shard", model, evict=0, ratio=target, min_block=16, cold=0)  # evict=0: none go
     prefill(model, every, ids)
-    cache = kvshrink.make_cache("shard", model, ratio=target, evict=1, min_block=16, cold=0)   # no guard
+    cache = kvshrink.make_cache("shard", model, keep_tokens=0, ratio=target, evict=1, min_block=16, cold=0)   # no guard
     prefill(model, cache, ids)
     doc = cache.fork()
     with torch.no_grad():
@@ -530,7 +530,7 @@ def test_a_ratio_target_is_what_the_cache_holds_after_the_first_decode_step(targ
     with torch.no_grad():
         model(torch.tensor([[5, 6, 7]]), past_key_values=doc)            # a question after the document
     assert doc.stats()["middle_tokens"] == every.stats()["middle_tokens"]
-    guarded = kvshrink.make_cache("shard", model, ratio=target, evict=0.02, min_block=16, cold=0)
+    guarded = kvshrink.make_cache("shard", model, keep_tokens=0, ratio=target, evict=0.02, min_block=16, cold=0)
     prefill(model, guarded, ids)
     with torch.no_grad():
         model(torch.tensor([[5]]), past_key_values=guarded)
@@ -543,7 +543,7 @@ def test_a_ratio_out_of_reach_evicts_as_far_as_the_guard_allows_without_a_warnin
     every prompt, so this is no error; the guard alone decides, as with no target."""
     model = tiny_llama(head_dim=32)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
-    caches = [kvshrink.make_cache("shard", model, ratio=r, evict=0.2, min_block=8) for r in (50.0, 0.0)]
+    caches = [kvshrink.make_cache("shard", model, keep_tokens=0, ratio=r, evict=0.2, min_block=8) for r in (50.0, 0.0)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for cache in caches:
@@ -552,6 +552,27 @@ def test_a_ratio_out_of_reach_evicts_as_far_as_the_guard_allows_without_a_warnin
                 model(torch.tensor([[5]]), past_key_values=cache)
     far, share_rule = (c.stats()["middle_tokens"] for c in caches)
     assert far == share_rule < len(caches[0].layers) * (300 - 4 - 64)
+
+
+@pytest.mark.parametrize("ratio", [20.0, 0.0])
+def test_a_layer_that_evicts_still_holds_keep_tokens(ratio):
+    """``keep_tokens`` is the floor of eviction: a prompt no longer than it keeps every token, a longer one
+    evicts at most the tokens beyond it, whether a far target (``ratio``) or no guard (``evict=1``) asks
+    for more."""
+    model = tiny_llama(head_dim=32)
+    ids = torch.randint(0, 128, (1, 1200), generator=torch.Generator().manual_seed(0))
+    def middle_after_a_question(**options) -> int:
+        cache = kvshrink.make_cache("shard", model, ratio=ratio, evict=1, min_block=16, cold=0, **options)
+        prefill(model, cache, ids)
+        with torch.no_grad():
+            model(torch.tensor([[5]]), past_key_values=cache)    # the prompt ended with its question
+        return cache.stats()["middle_tokens"] // len(cache.layers)
+    window = kvshrink.make_cache("shard", model).options["window"]
+    every = 1200 - 4 - window                                      # the middle when nothing goes
+    assert middle_after_a_question(keep_tokens=0) < 400            # no floor: most of the middle goes
+    assert middle_after_a_question(keep_tokens=800) == 800 - 4 - window
+    assert middle_after_a_question(keep_tokens=1200) == every      # the prompt is no longer than the floor
+    assert middle_after_a_question(keep_tokens=5000) == every
 
 
 def test_a_ratio_of_one_or_less_is_refused():
@@ -564,8 +585,8 @@ def test_a_ratio_of_one_or_less_is_refused():
 @pytest.mark.parametrize("scope", ["head", "layer"])
 def test_evicted_blocks_attend_exactly_over_the_tokens_they_keep(scope):
     model = tiny_llama()
-    kept = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, pca_scope=scope, evict=0.1,
-                                 min_block=8, cold=0)
+    kept = kvshrink.make_cache("shard", model, keep_tokens=0, sinks=4, window=16, block_tokens=100, pca_scope=scope,
+                               evict=0.1, min_block=8, cold=0)
     every = kvshrink.make_cache("shard", model, sinks=4, window=16, block_tokens=100, pca_scope=scope, evict=0.0,
                                 cold=0)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
@@ -597,7 +618,7 @@ def test_evicted_tokens_stay_when_the_prompt_is_continued_forked_or_saved(tmp_pa
     evicted ones, and the fork's continuation never touches the parent."""
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
-    doc = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.1, min_block=8, cold=0)
+    doc = kvshrink.make_cache("shard", model, keep_tokens=0, sinks=4, window=16, evict=0.1, min_block=8, cold=0)
     prefill(model, doc, ids)
     # held uncoded after the prompt (counted), coded as a block of their own by the save
     assert all(len(layer.middle) == 1 and len(layer.evicted) == 1 and not layer.unread for layer in doc.layers)
@@ -622,12 +643,12 @@ def test_evicted_tokens_stay_when_the_prompt_is_continued_forked_or_saved(tmp_pa
     assert all(not layer.unread and len(layer.middle) == 1 for layer in doc.layers) and doc.nbytes() < before
     assert doc.stats()["middle_tokens"] < 280 * len(doc.layers)
     # fewer evicted tokens than min_block are not worth a block of their own: every token stays
-    few = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.1, min_block=200, cold=0)
+    few = kvshrink.make_cache("shard", model, keep_tokens=0, sinks=4, window=16, evict=0.1, min_block=200, cold=0)
     prefill(model, few, ids)
     assert all(not layer.unread and not layer.evicted and layer.middle[0].kept is None for layer in few.layers)
     # a prompt continued straight away (no fork, no save) codes them and keeps them; so does a fork
     for way in ("continued", "forked"):
-        cache = kvshrink.make_cache("shard", model, sinks=4, window=16, evict=0.1, min_block=8, cold=0)
+        cache = kvshrink.make_cache("shard", model, keep_tokens=0, sinks=4, window=16, evict=0.1, min_block=8, cold=0)
         prefill(model, cache, ids)
         if way == "forked":
             cache.fork()
@@ -643,7 +664,8 @@ def test_evicted_tokens_coded_later_get_the_codes_of_the_prompt_s_chunk(scope):
     """Held uncoded until the next call, the evicted tokens are then coded from the stored 16-bit rows at their
     positions: the block the prompt's own chunk gives, code for code (a continued prompt's answers unchanged)."""
     model = tiny_llama()
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, pca_scope=scope, evict=0.1, min_block=8)
+    cache = kvshrink.make_cache("shard", model, keep_tokens=0, sinks=4, window=16, pca_scope=scope, evict=0.1,
+                                min_block=8)
     chunks = []
     original = ShardLayer.compress_block
 

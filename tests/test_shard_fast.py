@@ -63,9 +63,9 @@ def assert_fast_equals_reference(cache, batch, rows=(1, 3), layers=None, ctx=Non
     dict(v_group=2, v_codebook=16),                           # 4-bit value codes
     dict(v_group=8, v_codebook=32),                           # 5-bit value codes straddle bytes
     dict(key_weights="query"),                                # per-column scale folded into the tables
-    dict(evict=0.1, salient=0.05, min_block=8),               # evicted tokens: RoPE at the kept positions
+    dict(evict=0.1, salient=0.05, min_block=8, keep_tokens=0),  # evicted tokens: RoPE at the kept positions
     dict(cold=0.3, salient=0.05, min_block=8),                # a hot and a cold block over the same span
-    dict(cold=0.3, evict=0.1, min_block=8, pca_scope="layer"),  # the cold split of the kept tokens
+    dict(cold=0.3, evict=0.1, min_block=8, keep_tokens=0, pca_scope="layer"),  # the cold split of the kept ones
     dict(v_centre=True, salient=0.05, salient_read=0.5, cold=0.3, min_block=8),  # value means added back
 ])
 def test_fused_block_attention_equals_reference(opts):

@@ -98,7 +98,7 @@ CASES = [
     (dict(key_bits=0.75, pca_scope="layer"), dict(q_heads=2, kv_heads=2)),             # GQA 1, dropped comps
     (dict(key_bits=2.5, salient=0.05), dict(q_heads=8, kv_heads=1)),                   # GQA 8, held rows
     (dict(key_bits=2.5, salient=0.05, pca_scope="layer"), dict(head_dim=128)),
-    (dict(key_bits=2.5, evict=0.1, salient=0.05, min_block=8), dict()),                # evicted rows
+    (dict(key_bits=2.5, evict=0.1, salient=0.05, min_block=8, keep_tokens=0), dict()),  # evicted rows
     (dict(v_group=1, v_codebook=8), dict()),                                           # 3-bit value codes
     (dict(v_group=2, v_codebook=32), dict(head_dim=128)),                              # 5-bit value codes
     (dict(key_weights="query", v_group=2, v_codebook=16), dict()),    # (k_levels="uniform": 30 s to set up)
@@ -537,7 +537,7 @@ def _caller_file() -> str:
 def test_a_decode_step_on_the_gpu_path_reads_nothing_back(monkeypatch):
     model = model_with(layers=2)
     cache = kvshrink.make_cache("shard", model, sinks=4, window=16, salient=0.05, evict=0.05, min_block=2,
-                               exact_dtype="model", **SMALL)
+                               keep_tokens=0, exact_dtype="model", **SMALL)
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(0))
     originals = {name: getattr(shard_layer.ShardLayer, name) for name in ("past_partials", "commit")}
     with force_gpu_path(), torch.no_grad():
@@ -650,7 +650,8 @@ def test_kernels_compile_for_an_h100_class_gpu():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("opts", [dict(key_bits=2.5, salient=0.05),
-                                  dict(key_bits=3.0, pca_scope="layer", evict=0.1, qjl=True, stream_bits=3)])
+                                  dict(key_bits=3.0, pca_scope="layer", evict=0.1, keep_tokens=0, qjl=True,
+                                       stream_bits=3)])
 def test_triton_equals_reference_on_cuda_in_bf16(opts):
     """On a real GPU in bf16: every block's Triton partial == the reference path's, the stream's == the
     torch stream's, and neither synchronises with the host (CUDA's sync debug mode raises)."""

@@ -55,14 +55,15 @@ float16 step and zero point per token vector, 68 bytes per 64 channels against 1
 model at 8K, 3% of the middle held so gives the same KL divergence from ``full`` as exact copies
 (docs/methods/shard.md).
 
-Eviction (beyond the source): a compression target (``ratio``, 10 by
-default) and its guard (``evict``). Each layer evicts its least-read middle tokens, in ascending order of
+Eviction (beyond the source): a compression target (``ratio``, 12 by
+default), its guard (``evict``) and its floor (``keep_tokens``). Each layer evicts its least-read middle tokens, in ascending order of
 the largest share of the observation queries' attention any KV head gives them, until its bytes (estimated
 from the options when the block is made: codes and salient rows per token, bases and maps per block) are
 ``ratio`` times fewer than an fp16 cache of its tokens, but never past the point where the evicted tokens
-hold more than ``evict`` (0.1) of some head's observed attention: a layer whose attention is spread keeps
-more, so the target is met where the prompt allows it (9.8x at 8K on the embedded model, 7.5x at 2K;
-docs/methods/shard.md). The evicted tokens are held as they left the exact window until the cache
+hold more than ``evict`` (0.1) of some head's observed attention (a layer whose attention is spread keeps
+more), and never below ``keep_tokens`` (4,096) held tokens: a short prompt has few tokens to spare, and a
+4K one keeps every token. So the target is met where the prompt allows it (12.8x at 8K on the embedded
+model; docs/methods/shard.md). The evicted tokens are held as they left the exact window until the cache
 knows whether the prompt ended with its question: a decode step right after the prompt drops them
 (the question was in the prompt, and its last queries did not read them), never having coded them (half
 of the compression's time); a step of several tokens (a question asked after

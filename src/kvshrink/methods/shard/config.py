@@ -67,17 +67,21 @@ class ShardConfig:
     salient: float = option(0.05, "fraction of each block's middle tokens held apart from its codes per KV "
                             "head (exact or 8-bit, see salient_dtype): those the prompt's last `observe` queries "
                             "attend to most (SnapKV-style; see `salient_read`)", low=0, high=0.5)
-    ratio: float = option(10.0, "compression target (an fp16 cache's bytes over the bytes held) for a prompt that "
+    ratio: float = option(12.0, "compression target (an fp16 cache's bytes over the bytes held) for a prompt that "
                           "ends with its question: each layer evicts its least-attended middle tokens (by the "
                           "last `observe` queries, pooled like `salient`) until its bytes meet it, but never more "
                           "than `evict` allows. Reached once the evicted tokens are dropped (the first decode step "
                           "after the prompt; a prompt continued, forked or saved keeps them), where the guard "
-                          "allows and the prompt is long enough that sinks, window and overheads fit (about 8K "
-                          "tokens on the embedded model; 0 = no target: `evict` alone decides)", low=0)
+                          "and `keep_tokens` allow (12.8x at 8K on the embedded model, 7.5x, every token kept, "
+                          "at 4K; 0 = no target: `evict` alone decides)", low=0)
     evict: float = option(0.1, "the guard of `ratio`: the largest share of any KV head's observed attention the "
                           "evicted middle tokens of a block may hold together (with ratio=0, each block's least-"
                           "attended tokens go up to this share; 0 = keep every token, whatever `ratio` says; 1 = "
                           "no guard)", low=0, high=1)
+    keep_tokens: int = option(4096, "fewest tokens a layer holds once it evicts: a prompt no longer than this keeps "
+                              "every token, a longer one evicts at most the tokens beyond it (a short prompt has "
+                              "few to spare: on the embedded model's 4K essay, evicting a quarter of it for 10x "
+                              "lost the needle its question asked for; 0 = no floor)", low=0)
     salient_dtype: str = option("int8", "how salient tokens are held: 'exact' (in exact_dtype) or 'int8' (8-bit "
                                 "codes, one float16 step and zero point per token vector: about half the bytes)",
                                 choices=SALIENT_DTYPES)

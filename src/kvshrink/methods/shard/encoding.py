@@ -103,8 +103,7 @@ class ShardEncoding:
             read = read if self.cfg.salient_read > 0 else None
         keep = None
         if importance is not None and self.cfg.evicts:
-            count = self.tokens_within_ratio(key.shape[2], key.shape[0]) if self.cfg.ratio > 0 else None
-            keep = tokens_to_keep(importance, self.cfg.evict, count)
+            keep = tokens_to_keep(importance, self.cfg.evict, self.tokens_to_store(key.shape[2], key.shape[0]))
             dropped = int((~keep).sum())
             # fewer than min_block tokens are not worth a block of their own (bases, scales): all stay
             keep = keep if dropped >= self.cfg.min_block else None
@@ -140,6 +139,21 @@ class ShardEncoding:
         if cold < self.cfg.min_block or int(hot.sum()) < self.cfg.min_block:
             return None
         return hot
+
+    def tokens_to_store(self, span: int, batch: int) -> int | None:
+        """The fewest of a new block's ``span`` middle tokens the layer stores when it evicts: as many as `ratio`'s
+        target leaves room for (`tokens_within_ratio`), and no fewer than `keep_tokens` asks the layer to hold;
+        None when neither bounds it (`evict`'s guard alone decides)."""
+        floor = self.cfg.keep_tokens - self.tokens_held() if self.cfg.keep_tokens > 0 else None
+        if self.cfg.ratio <= 0:
+            return floor if floor is not None and floor > 0 else None
+        target = self.tokens_within_ratio(span, batch)
+        return target if floor is None else max(target, floor)
+
+    def tokens_held(self) -> int:
+        """Tokens the layer holds besides a block being made (the exact ones, the compressed blocks, the stream;
+        not the last prompt's evicted ones)."""
+        return len(self.sinks) + len(self.window) + self.stream.n + sum(block.n for block in self.blocks())
 
     def tokens_within_ratio(self, span: int, batch: int) -> int:
         """How many of a new block's ``span`` middle tokens the layer can store and still hold ``ratio`` times

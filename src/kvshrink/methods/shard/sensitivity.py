@@ -45,7 +45,7 @@ LADDER: tuple[dict[str, float | int], ...] = (
 )
 LADDER_OPTIONS = frozenset(name for rung in LADDER for name in rung)
 # Options the rungs are measured without (every token kept): they do not change the choice.
-UNMEASURED_OPTIONS = frozenset({"evict", "ratio", "kl_budget"})
+UNMEASURED_OPTIONS = frozenset({"evict", "ratio", "keep_tokens", "kl_budget"})
 CALIBRATION_MODULES = ("textwrap", "argparse", "json.decoder", "pathlib", "dataclasses", "functools")
 PREFIX_TOKENS = 2048
 CONTINUATION_TOKENS = 256
