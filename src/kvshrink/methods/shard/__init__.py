@@ -55,9 +55,9 @@ float16 step and zero point per token vector, 68 bytes per 64 channels against 1
 model at 8K, 3% of the middle held so gives the same KL divergence from ``full`` as exact copies
 (docs/methods/shard.md).
 
-Eviction (beyond the source): a compression target (``ratio``, 12 by
-default), its guard (``evict``) and its floor (``keep_tokens``). Each layer evicts its least-read middle tokens, in ascending order of
-the largest share of the observation queries' attention any KV head gives them, until its bytes (estimated
+Eviction (beyond the source): a compression target (``ratio``, 12 by default), its guard (``evict``) and its
+floor (``keep_tokens``). Each layer evicts its least-read middle tokens, in ascending order of the largest share
+of the observation queries' attention any KV head gives them, until its bytes (estimated
 from the options when the block is made: codes and salient rows per token, bases and maps per block) are
 ``ratio`` times fewer than an fp16 cache of its tokens, but never past the point where the evicted tokens
 hold more than ``evict`` (0.1) of some head's observed attention (a layer whose attention is spread keeps

@@ -72,7 +72,7 @@ class ShardConfig:
                           "last `observe` queries, pooled like `salient`) until its bytes meet it, but never more "
                           "than `evict` allows. Reached once the evicted tokens are dropped (the first decode step "
                           "after the prompt; a prompt continued, forked or saved keeps them), where the guard "
-                          "and `keep_tokens` allow (12.8x at 8K on the embedded model, 7.5x, every token kept, "
+                          "and `keep_tokens` allow (12.8x at 8K on the embedded model, 7.4x, every token kept, "
                           "at 4K; 0 = no target: `evict` alone decides)", low=0)
     evict: float = option(0.1, "the guard of `ratio`: the largest share of any KV head's observed attention the "
                           "evicted middle tokens of a block may hold together (with ratio=0, each block's least-"

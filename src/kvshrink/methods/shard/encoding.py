@@ -144,11 +144,10 @@ class ShardEncoding:
         """The fewest of a new block's ``span`` middle tokens the layer stores when it evicts: as many as `ratio`'s
         target leaves room for (`tokens_within_ratio`), and no fewer than `keep_tokens` asks the layer to hold;
         None when neither bounds it (`evict`'s guard alone decides)."""
-        floor = self.cfg.keep_tokens - self.tokens_held() if self.cfg.keep_tokens > 0 else None
+        floor = self.cfg.keep_tokens - self.tokens_held()     # keep_tokens=0: never above zero
         if self.cfg.ratio <= 0:
-            return floor if floor is not None and floor > 0 else None
-        target = self.tokens_within_ratio(span, batch)
-        return target if floor is None else max(target, floor)
+            return floor if floor > 0 else None
+        return max(self.tokens_within_ratio(span, batch), floor)
 
     def tokens_held(self) -> int:
         """Tokens the layer holds besides a block being made (the exact ones, the compressed blocks, the stream;
