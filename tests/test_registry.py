@@ -8,6 +8,7 @@ import pytest
 
 import kvshrink
 from kvshrink.cache.registry import declared_options, option, parse_method_spec, resolve_options, get_method
+from kvshrink.eval.backend import KVShrinkBackend
 
 
 @dataclass
@@ -85,7 +86,13 @@ def test_one_parser_for_specs_and_cli_options():
     from kvshrink.cli import _parse_options
 
     assert parse_method_spec("streaming: window=8 ,sinks=2") == ("streaming", {"window": "8", "sinks": "2"})
-    assert _parse_options(["window=8,sinks=2", "sinks=3"]) == {"window": "8", "sinks": "3"}
+    assert _parse_options(["window=8,sinks=2", "observe=3"]) == {"window": "8", "sinks": "2", "observe": "3"}
+    with pytest.raises(ValueError, match="option 'window' given twice in method spec .* \\('8' and '16'\\)"):
+        parse_method_spec("streaming:window=8,sinks=2,window=16")
+    with pytest.raises(ValueError, match="option 'sinks' given twice in --option"):
+        _parse_options(["window=8,sinks=2", "sinks=3"])
+    with pytest.raises(ValueError, match="option 'sinks' given twice"):
+        KVShrinkBackend().make_cache("streaming:sinks=2,sinks=3", None)   # the eval's specs: before the model
     for bad in ("streaming:window", "streaming:=3"):
         with pytest.raises(ValueError, match="expected key=value"):
             parse_method_spec(bad)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 
 def _parse_options(items: list[str]) -> dict[str, str]:
-    from kvshrink.cache.option_text import parse_options
+    from kvshrink.cache.option_text import merge_options, parse_options
 
-    return {k: v for item in items or [] for k, v in parse_options(item, " in --option").items()}
+    return merge_options([parse_options(item, " in --option") for item in items or []], " in --option")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,8 +14,23 @@ def parse_options(text: str, where: str = "") -> dict[str, str]:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"bad option {item!r}{where}: expected key=value")
-        options[key.strip()] = value.strip()
+        key = key.strip()
+        if key in options:
+            raise ValueError(f"option {key!r} given twice{where} ({options[key]!r} and {value.strip()!r})")
+        options[key] = value.strip()
     return options
+
+
+def merge_options(parts: list[dict[str, str]], where: str = "") -> dict[str, str]:
+    """The options of several `parse_options` results in one dict; an option in two of them is refused, as
+    within one."""
+    merged: dict[str, str] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key in merged:
+                raise ValueError(f"option {key!r} given twice{where} ({merged[key]!r} and {value!r})")
+            merged[key] = value
+    return merged
 
 
 def format_options(options: dict[str, Any]) -> str:
