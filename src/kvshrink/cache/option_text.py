@@ -14,10 +14,7 @@ def parse_options(text: str, where: str = "") -> dict[str, str]:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"bad option {item!r}{where}: expected key=value")
-        key = key.strip()
-        if key in options:
-            raise ValueError(f"option {key!r} given twice{where} ({options[key]!r} and {value.strip()!r})")
-        options[key] = value.strip()
+        _add_once(options, key.strip(), value.strip(), where)
     return options
 
 
@@ -27,10 +24,14 @@ def merge_options(parts: list[dict[str, str]], where: str = "") -> dict[str, str
     merged: dict[str, str] = {}
     for part in parts:
         for key, value in part.items():
-            if key in merged:
-                raise ValueError(f"option {key!r} given twice{where} ({merged[key]!r} and {value!r})")
-            merged[key] = value
+            _add_once(merged, key, value, where)
     return merged
+
+
+def _add_once(options: dict[str, str], key: str, value: str, where: str) -> None:
+    if key in options:
+        raise ValueError(f"option {key!r} given twice{where} ({options[key]!r} and {value!r})")
+    options[key] = value
 
 
 def format_options(options: dict[str, Any]) -> str:
