@@ -61,7 +61,11 @@ def test_the_budget_splits_at_the_cheapest_rungs_kl(model, tokenizer, every_rung
     within = calibrate_shard(model, tokenizer, kl_budget=cheapest_kl * 1.001, key_bits="1.5")
     beyond = calibrate_shard(model, tokenizer, kl_budget=cheapest_kl * 0.999, key_bits="1.5")
     assert within.options == {"key_bits": "1.5", **LADDER[0]} and len(within.tried) == 1
-    assert beyond.options == every_rung.options and len(beyond.tried) == len(LADDER)
+    # beyond it, the next rungs in order until one is within (the last when none is)
+    taken = next((i for i, (_, kl) in enumerate(every_rung.tried) if kl <= cheapest_kl * 0.999), len(LADDER) - 1)
+    assert [rung for rung, _ in beyond.tried] == list(LADDER[:taken + 1])
+    assert [kl for _, kl in beyond.tried] == pytest.approx([kl for _, kl in every_rung.tried[:taken + 1]], rel=1e-6)
+    assert beyond.options == {"key_bits": "1.5", **LADDER[taken]}
     assert within.tried[0][1] == pytest.approx(cheapest_kl, rel=1e-6)  # the same measurement each time
 
 
