@@ -373,16 +373,19 @@ ROPE_SCALINGS = {
 }
 
 
+@pytest.mark.parametrize("frame", [1, 16])
 @pytest.mark.parametrize("rope", list(ROPE_SCALINGS))
-def test_store_rebuilds_the_models_post_rope_keys_and_values(rope):
+def test_store_rebuilds_the_models_post_rope_keys_and_values(rope, frame):
     """At 8 bits the keys and values rebuilt from the store are the ones the model computed (RoPE undone
-    and redone exactly: with YaRN, redoing it through the model's rotary module scaled keys by 1.3)."""
+    and redone exactly: with YaRN, redoing it through the model's rotary module scaled keys by 1.3), whether
+    RoPE is undone to position 0 or to each key's frame."""
     from conftest import tiny_model
 
     model = tiny_model("llama", **ROPE_SCALINGS[rope])
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
     full = kvshrink.make_cache("full", model)
-    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, key_bits=8.0, salient=0.0, evict=0.0, v_group=1)
+    shard = kvshrink.make_cache("shard", model, sinks=4, window=8, key_bits=8.0, salient=0.0, evict=0.0, v_group=1,
+                                rope_frame=frame)
     prefill(model, full, ids)
     prefill(model, shard, ids)
     assert sum(b.n for b in shard.layers[0].middle) == 188

@@ -67,6 +67,9 @@ def assert_fast_equals_reference(cache, batch, rows=(1, 3), layers=None, ctx=Non
     dict(cold=0.3, salient=0.05, min_block=8),                # a hot and a cold block over the same span
     dict(cold=0.3, evict=0.1, min_block=8, keep_tokens=0, pca_scope="layer"),  # the cold split of the kept ones
     dict(v_centre=True, salient=0.05, salient_read=0.5, cold=0.3, min_block=8),  # value means added back
+    dict(rope_frame=16),                                      # keys at their frames' RoPE: queries projected
+    dict(rope_frame=7, pca_scope="head", salient=0.05),       # frames across the block's start and end
+    dict(rope_frame=16, cold=0.3, evict=0.1, min_block=8, keep_tokens=0),  # frames of scattered tokens
 ])
 def test_fused_block_attention_equals_reference(opts):
     model = tiny_llama()
@@ -82,9 +85,12 @@ def test_fused_block_attention_equals_reference(opts):
     assert_fast_equals_reference(cache, 1)
 
 
-def test_fused_path_with_batch_padding_stream_and_several_blocks():
+@pytest.mark.parametrize("frame", [1, 16])
+def test_fused_path_with_batch_padding_stream_and_several_blocks(frame):
+    """Row 1's left padding shifts its positions, so with frames each row's tokens fall in frames of their own."""
     model = tiny_llama(head_dim=24)     # 24: rotation is a random orthogonal matrix, not Hadamard
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.5, min_block=32, kernel="fast")
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, key_bits=2.5, min_block=32, kernel="fast",
+                                rope_frame=frame)
     ids = torch.randint(0, 128, (2, 260), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 260, dtype=torch.long)
     mask[1, :37] = 0                    # left padding in row 1
@@ -214,12 +220,14 @@ def test_without_numba_a_default_cache_decodes_with_the_torch_ops_as_the_numba_p
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):
+@pytest.mark.parametrize("frame", [1, 16])
+def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path, frame):
     """The slot plans the fast path builds on its first decode step are derived state: left out of the
-    file (they hold numpy arrays) and rebuilt on first use after loading."""
+    file (they hold numpy arrays) and rebuilt on first use after loading; the keys' frames are an option, saved
+    with the others."""
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0))
-    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, kernel="fast")
+    cache = kvshrink.make_cache("shard", model, sinks=4, window=16, kernel="fast", rope_frame=frame)
     prefill(model, cache, ids)
     with torch.no_grad():
         model(torch.tensor([[5]]), past_key_values=cache)
@@ -230,6 +238,7 @@ def test_a_fast_kernel_cache_saves_and_loads_after_decoding(tmp_path):
         got = model(torch.tensor([[6]]), past_key_values=loaded).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert loaded.nbytes() == cache.nbytes()
+    assert loaded.layers[0].cfg.rope_frame == frame
 
 
 def test_the_value_pass_equals_the_torch_ops():

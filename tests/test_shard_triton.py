@@ -104,6 +104,7 @@ CASES = [
     (dict(key_weights="query", v_group=2, v_codebook=16), dict()),    # (k_levels="uniform": 30 s to set up)
     (dict(cold=0.3, salient=0.05, min_block=8), dict(head_dim=128)),                   # hot and cold blocks
     (dict(v_centre=True, salient=0.05, salient_read=0.5), dict()),                     # value means added back
+    (dict(rope_frame=16, evict=0.1, salient=0.05, min_block=8, keep_tokens=0), dict()),  # keys at their frames
 ]
 
 
@@ -347,22 +348,25 @@ def test_a_row_whose_tokens_are_all_held_contributes_nothing():
 
 
 
+@pytest.mark.parametrize("frame", [1, 16])
 @pytest.mark.parametrize("half,start,n", [(32, 0, 70), (12, 5000, 9), (64, 131000, 130)])
-def test_pair_rope_kernel_equals_the_steps_rope_tables(half, start, n):
+def test_pair_rope_kernel_equals_the_steps_rope_tables(half, start, n, frame):
     """`pair_rope` (one launch) == `StepContext.rope`'s first half at the same positions: rows with their
-    own left padding (positions clamped at 0), a head size whose half is not a power of two, long contexts."""
+    own left padding (positions clamped at 0), a head size whose half is not a power of two, long contexts;
+    positions rounded down to their frames (`rope_frame`)."""
     from kvshrink.cache.base import StepContext
 
     freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
     offset = torch.tensor([0, 3, 40])
     ctx = StepContext(start, 1, 1.0, None, offset, type("Rotary", (), {"inv_freq": freqs})(), torch.float32)
-    cos, sin = ctx.rope(ctx.positions(torch.arange(start, start + n)))
-    got_cos, got_sin = sca.pair_rope(freqs, offset, start, n)
+    positions = ctx.positions(torch.arange(start, start + n))
+    cos, sin = ctx.rope(positions - positions % frame)
+    got_cos, got_sin = sca.pair_rope(freqs, offset, start, n, frame)
     # the same angles; cos/sin of an angle near 1e5 radians differ by a few float32 ulps between libraries
     tol = 2e-6 * max(1.0, (start + n) / 1000)
     torch.testing.assert_close(got_cos, cos[..., :half], atol=tol, rtol=0)
     torch.testing.assert_close(got_sin, sin[..., :half], atol=tol, rtol=0)
-    if start == 0:   # row 1's three padding tokens and its first token all sit at position 0
+    if start == 0 and frame == 1:   # row 1's three padding tokens and its first token all sit at position 0
         assert (got_cos[1, :4] == 1).all() and (got_sin[1, :4] == 0).all() and got_sin[1, 4, 0] != 0
 
 # ---- the decode stream (TurboQuant codes) ------------------------------------------------------------------
@@ -603,7 +607,7 @@ for rotate in (True, False):
                                                                   BLOCK_N=t.n, BLOCK_R=t.r)), target=target)
     assert "cubin" in k.asm, list(k.asm)
 k = compile(ASTSource(sca._pair_rope_kernel, dict(freq_ptr="*fp32", offset_ptr="*i64", cos_ptr="*fp32",
-                                                   sin_ptr="*fp32", start="i32", n="i32", half="i32",
+                                                   sin_ptr="*fp32", start="i32", n="i32", half="i32", frame="i32",
                                                    HALF="constexpr", BLOCK_N="constexpr"),
                       dict(HALF=64, BLOCK_N=64)), target=target)
 assert "cubin" in k.asm, list(k.asm)

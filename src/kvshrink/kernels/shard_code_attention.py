@@ -493,15 +493,17 @@ def code_attention(codes: torch.Tensor, plan, scaled: torch.Tensor, mean: torch.
 
 
 @triton.jit
-def _pair_rope_kernel(freq_ptr, offset_ptr, cos_ptr, sin_ptr, start, n, half, HALF: tl.constexpr,
+def _pair_rope_kernel(freq_ptr, offset_ptr, cos_ptr, sin_ptr, start, n, half, frame, HALF: tl.constexpr,
                       BLOCK_N: tl.constexpr):
-    # row b, tokens start .. start+n-1: position max(index - offset[b], 0) times each pair's frequency
+    # row b, tokens start .. start+n-1: position max(index - offset[b], 0), rounded down to its frame, times each
+    # pair's frequency
     b = tl.program_id(0)
     offs_t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_ok = offs_t < n
     offs_p = tl.arange(0, HALF)
     p_ok = offs_p < half
-    position = tl.maximum(start + offs_t.to(tl.int64) - tl.load(offset_ptr + b).to(tl.int64), 0).to(tl.float32)
+    position = tl.maximum(start + offs_t.to(tl.int64) - tl.load(offset_ptr + b).to(tl.int64), 0)
+    position = (position - position % frame).to(tl.float32)
     angle = position[:, None] * tl.load(freq_ptr + offs_p, mask=p_ok, other=0.0)[None, :]
     at = (b * n + offs_t[:, None]) * half + offs_p[None, :]
     ok = t_ok[:, None] & p_ok[None, :]
@@ -509,10 +511,12 @@ def _pair_rope_kernel(freq_ptr, offset_ptr, cos_ptr, sin_ptr, start, n, half, HA
     tl.store(sin_ptr + at, tl.sin(angle), mask=ok)
 
 
-def pair_rope(frequencies: torch.Tensor, offset: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_rope(frequencies: torch.Tensor, offset: torch.Tensor, start: int, n: int,
+              frame: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``(cos, sin)`` ``[B, n, d/2]`` of each RoPE pair of token indices ``start .. start+n-1`` (row
-    ``b`` at positions ``index - offset[b]``, at least 0; ``frequencies [d/2]`` float32): what
-    `StepContext.rope` gives for the first half of the channels, in one launch instead of a dozen torch ops."""
+    ``b`` at positions ``index - offset[b]``, at least 0, rounded down to a multiple of ``frame``; ``frequencies
+    [d/2]`` float32): what `StepContext.rope` gives for the first half of the channels, in one launch instead of a
+    dozen torch ops."""
     batch, half = offset.shape[0], frequencies.shape[0]
     cos = torch.empty(batch, n, half, dtype=torch.float32, device=offset.device)
     sin = torch.empty_like(cos)
@@ -521,7 +525,8 @@ def pair_rope(frequencies: torch.Tensor, offset: torch.Tensor, start: int, n: in
     block_n = 64
     with counting.kernel_launch("shard_pair_rope"):
         _pair_rope_kernel[(batch, triton.cdiv(n, block_n))](frequencies.contiguous(), offset.contiguous(), cos, sin,
-                                                             int(start), n, half, HALF=_pow2(half), BLOCK_N=block_n)
+                                                             int(start), n, half, int(frame), HALF=_pow2(half),
+                                                             BLOCK_N=block_n)
     return cos, sin
 
 

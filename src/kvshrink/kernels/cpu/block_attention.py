@@ -200,6 +200,87 @@ if numba_support.installed():
         for job in numba.prange(q4.shape[0] * ((m + _TOKEN_TILE - 1) // _TOKEN_TILE)):
             _tile_scores(job, keys_t, mean, cos_t, sin_t, rows, q4, heads_per_scope, first, m, scores)
 
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _frame_token_scores(b, i, levels, index, rows, projected, bias, heads_per_scope, first, scores):
+        # pragma: no cover - compiled
+        # the scores of token first+i of row b (`_frame_scores`): one product of its coefficients with its frame's
+        # projected query per head and row
+        t = first + i
+        f = index[b, rows[t] if rows.shape[0] > 0 else t]
+        n_rows, rank = projected.shape[3], projected.shape[4]
+        for s in range(levels.shape[0]):
+            coefficients = levels[s, b, i]
+            for j in range(heads_per_scope):
+                h = s * heads_per_scope + j
+                for row in range(n_rows):
+                    a = projected[b, f, h, row]
+                    acc = bias[b, f, h, row]
+                    for k in range(rank):
+                        acc += a[k] * coefficients[k]
+                    scores[b, h, row, t] = acc
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _frame_scores(levels, index, rows, projected, bias, heads_per_scope, first, m, scores):  # pragma: no cover
+        # levels [S, B, m, >= r]: the coefficients of tokens first .. first+m-1; index [B, N]: the frame of each
+        # token of the span (token i at span position rows[i], or i when rows is empty); projected [B, F, H, R, r]
+        # and bias [B, F, H, R]: each frame's queries turned to its position and projected on the scaled bases and
+        # on the mean -> scores [B, H, R, n] of those tokens
+        for b in range(levels.shape[1]):
+            for i in range(m):
+                _frame_token_scores(b, i, levels, index, rows, projected, bias, heads_per_scope, first, scores)
+
+    @njit(cache=True, fastmath=_FASTMATH, parallel=True)
+    def _frame_scores_parallel(levels, index, rows, projected, bias, heads_per_scope, first, m,
+                               scores):  # pragma: no cover - compiled
+        # `_frame_scores`, its tiles of tokens on numba's threads
+        tiles = (m + _TOKEN_TILE - 1) // _TOKEN_TILE
+        for job in numba.prange(levels.shape[1] * tiles):
+            b, lo = job // tiles, job % tiles * _TOKEN_TILE
+            for i in range(lo, min(m, lo + _TOKEN_TILE)):
+                _frame_token_scores(b, i, levels, index, rows, projected, bias, heads_per_scope, first, scores)
+
+    @njit(fastmath=_FASTMATH, inline="always")
+    def _project_frame(job, q, basis_t, mean, cos, sin, projected, bias):  # pragma: no cover - compiled
+        # `_project_frames` of one frame of one batch row (job = row * F + frame)
+        frames, heads, n_rows, rank = projected.shape[1], projected.shape[2], projected.shape[3], projected.shape[4]
+        half = q.shape[3] // 2
+        heads_per_scope = heads // basis_t.shape[0]
+        b, f = job // frames, job % frames
+        c, s = cos[b, f], sin[b, f]
+        turned = np.empty(2 * half, np.float32)
+        for h in range(heads):
+            scope, first = h // heads_per_scope, (h % heads_per_scope) * 2 * half
+            for row in range(n_rows):
+                qr = q[b, h, row]
+                for p in range(half):
+                    turned[p] = qr[p] * c[p] + qr[half + p] * s[p]
+                    turned[half + p] = qr[half + p] * c[p] - qr[p] * s[p]
+                out = projected[b, f, h, row]
+                out[:] = 0.0
+                acc = np.float32(0.0)
+                for ch in range(2 * half):
+                    u = turned[ch]
+                    acc += u * mean[scope, first + ch]
+                    basis_row = basis_t[scope, first + ch]
+                    for k in range(rank):
+                        out[k] += u * basis_row[k]
+                bias[b, f, h, row] = acc
+
+    @njit(cache=True, fastmath=_FASTMATH)
+    def _project_frames(q, basis_t, mean, cos, sin, projected, bias):  # pragma: no cover - compiled
+        # q [B, H, >= R, d]: scaled queries (channels as halves); cos, sin [B, F, d/2]: each frame's RoPE;
+        # basis_t [S, W, r], mean [S, W]: the scaled bases and the mean (head h: scope h // (H / S), its columns
+        # in the scope's (h % (H / S))-th d) -> projected [B, F, H, R, r], bias [B, F, H, R]: each row turned back by
+        # its frame's RoPE, times the bases and the mean
+        for job in range(projected.shape[0] * projected.shape[1]):
+            _project_frame(job, q, basis_t, mean, cos, sin, projected, bias)
+
+    @njit(cache=True, fastmath=_FASTMATH, parallel=True)
+    def _project_frames_parallel(q, basis_t, mean, cos, sin, projected, bias):  # pragma: no cover - compiled
+        # `_project_frames`, its frames on numba's threads
+        for job in numba.prange(projected.shape[0] * projected.shape[1]):
+            _project_frame(job, q, basis_t, mean, cos, sin, projected, bias)
+
     @njit(cache=True)
     def _scale_bases(bases, factor, column, out):  # pragma: no cover - compiled (no fastmath: torch's order)
         # the S int8 bases [W, r_s] times factor [S, 1, r] (and column [S, W, 1] when it has S rows) -> out [S, W, r],
@@ -405,6 +486,23 @@ def _row_quads(query: np.ndarray, scaling: float) -> np.ndarray:
     return q4.reshape(batch, heads, -1, 4, d)
 
 
+def frame_projection(q4: np.ndarray, basis_t: torch.Tensor, mean: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The scaled query quads ``q4 [B, H, G, 4, d]`` (channels as two halves) turned back by each frame's RoPE
+    (``cos, sin [B, F, d/2]``): with ``k`` a key coded at its frame's position, ``q . RoPE_frame(k) =
+    RoPE_frame^-1(q) . k``, so one projection per frame on the scaled bases ``basis_t [S, W, r]`` and on the
+    ``mean [S, W]`` replaces rebuilding the frame's keys. Returns float32 ``(projected [B, F, H, R, r], bias [B, F,
+    H, R])`` of the first ``n_rows`` rows (scratch arrays, valid until the next call)."""
+    batch, heads = q4.shape[:2]
+    frames, rank = cos.shape[1], basis_t.shape[2]
+    projected = scratch("frame_projected", (batch, frames, heads, n_rows, rank)).numpy()
+    bias = scratch("frame_bias", (batch, frames, heads, n_rows)).numpy()
+    project = _project_frames_parallel if _use_threads() else _project_frames
+    project(q4.reshape(batch, heads, -1, q4.shape[-1]), _numpy(basis_t.float().contiguous()), _numpy(mean.float()),
+            _numpy(cos), _numpy(sin), projected, bias)
+    return projected, bias
+
+
 _NO_HIDDEN = np.zeros((1, 1, 0), np.int32)
 _NO_BINS = np.zeros((0, 0, 0, 0), np.float32)
 _NO_OUT = np.zeros((0, 0, 0, 0), np.float32)
@@ -414,7 +512,7 @@ _NO_VALUES = (np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), np.zer
 def _block_attention(scopes, layout, basis_t: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor,
                      sin_t: torch.Tensor, q4: np.ndarray, hidden, v_codes, v_bits: int, n_groups: int,
                      rows: torch.Tensor | np.ndarray | None, lse: np.ndarray, bins: np.ndarray | None = None,
-                     values: tuple | None = None, out: np.ndarray | None = None) -> None:
+                     values: tuple | None = None, out: np.ndarray | None = None, frames: tuple | None = None) -> None:
     """`code_attention` (channels as two halves) of the scaled query quads ``q4`` (`_row_quads`) over one block: its
     log-sum-exp written into ``lse [B, H_kv, R]``; its bins into ``bins [B, H_kv, n_groups * 2**v_bits, 4 *
     ceil(R / 4)]`` (query rows last) unless None; with ``values`` (the value codebook transposed ``[group, K]``, the
@@ -422,7 +520,9 @@ def _block_attention(scopes, layout, basis_t: torch.Tensor, mean: torch.Tensor, 
     H_kv, R, d]``. ``basis_t [S, W, r]``: the scaled bases; the codes (``scopes``, ``v_codes``) and the int32
     ``hidden`` rows: tensors or numpy views. Per slice of tokens: their coefficients (one call), their keys (one
     batched product: torch's BLAS), their scores with RoPE (one call); then the softmax, bins and values (one
-    call)."""
+    call). With ``frames`` (`ShardShared.frames`: each token's frame and each frame's RoPE; keys coded at their
+    frames' positions, ``cos_t``, ``sin_t`` unread), the queries are projected once per frame
+    (`frame_projection`) and each token's scores are products with its coefficients: no key is rebuilt."""
     batch, heads, n_rows = lse.shape
     scopes = tuple(_numpy(c) for c in scopes)
     n_scopes, n = len(scopes), scopes[0].shape[1]
@@ -430,19 +530,28 @@ def _block_attention(scopes, layout, basis_t: torch.Tensor, mean: torch.Tensor, 
     rank = basis_t.shape[2]
     basis_t = basis_t.float()                        # [S, W, r]: BLAS reads it as it is
     positions = _NO_ROWS if rows is None else rows if isinstance(rows, np.ndarray) else _numpy(rows.long())
-    c_t, s_t, centre = _numpy(cos_t.float()), _numpy(sin_t.float()), _numpy(mean.float())
+    centre = _numpy(mean.float())
+    if frames is None:
+        c_t, s_t = _numpy(cos_t.float()), _numpy(sin_t.float())
     scores = scratch("scores", (batch, heads, n_rows, n)).numpy()
     lut = byte_levels(layout.level_kind, layout.widths)
     lut64 = lut.view(np.int64)                       # a byte's levels as 8-byte words
     parallel = _use_threads()
     decode_scopes = _decode_scopes_parallel if parallel else _decode_scopes
     block_scores = _block_scores_parallel if parallel else _block_scores
+    if frames is not None:
+        frame_index = _numpy(frames[0])
+        projected, bias = frame_projection(q4, basis_t, mean, frames[1], frames[2], n_rows)
     for first in range(0, n, _SLICE):
         m = min(_SLICE, n - first)
         levels = scratch("levels", (n_scopes, batch, m, rank + _SPARE + rank % 2))
         coefficients = levels.numpy()
         decode_scopes(scopes, layout.runs, layout.run_counts, lut, lut64, first, coefficients,
                       coefficients.view(np.int64))
+        if frames is not None:
+            (_frame_scores_parallel if parallel else _frame_scores)(
+                coefficients, frame_index, positions, projected, bias, heads_per_scope, first, m, scores)
+            continue
         keys_t = scratch("keys", (n_scopes, basis_t.shape[1], batch * m))
         torch.bmm(basis_t, levels[..., :rank].view(n_scopes, batch * m, rank).transpose(1, 2), out=keys_t)
         block_scores(keys_t.numpy(), centre, c_t, s_t, positions, q4, heads_per_scope, first, m, scores)

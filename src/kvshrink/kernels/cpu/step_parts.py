@@ -99,17 +99,18 @@ class StepParts:
     def code(self, scopes, layout, basis_t: torch.Tensor, mean: torch.Tensor, cos_t: torch.Tensor,
              sin_t: torch.Tensor, hidden, v_codes, v_bits: int, n_groups: int, rows: torch.Tensor | np.ndarray | None,
              codebook: torch.Tensor, v_scale: torch.Tensor, rotation: torch.Tensor,
-             v_mean: torch.Tensor | None = None) -> None:
+             v_mean: torch.Tensor | None = None, frames: tuple | None = None) -> None:
         """`code_attention` (``halves=True``; the scaled bases as ``basis_t [S, W, r]``; the codes and the int32
         ``hidden`` rows as tensors or numpy views) and the value pass (each group's probability-weighted codewords,
         times ``v_scale``, rotated back, plus ``v_mean [H_kv, d]``, the mean the values were coded less of: the
-        part's probabilities sum to one): a coded block's partial (`_block_attention`)."""
+        part's probabilities sum to one): a coded block's partial (`_block_attention`; with ``frames``, keys coded
+        at their frames' positions, scored without rebuilding them)."""
         if self._quads is None:
             self._quads = _row_quads(self.query, self.scaling)
         out, lse = self._next()
         values = (_numpy(codebook.float().T.contiguous()), _numpy(v_scale.float()), _numpy(rotation.float()))
         _block_attention(scopes, layout, basis_t, mean, cos_t, sin_t, self._quads, hidden, v_codes, v_bits, n_groups,
-                         rows, lse, None, values, out)
+                         rows, lse, None, values, out, frames)
         if v_mean is not None:
             out += _numpy(v_mean.float())[None, :, None, :]
 

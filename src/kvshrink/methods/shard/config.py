@@ -44,6 +44,11 @@ class ShardConfig:
     pca_scope: str = option("layer", "one key PCA per 'layer' (all KV heads stacked, as the source: the heads "
                             "share components, so the same bits keep more of the keys) or per 'head' (cheaper "
                             "to decode)", choices=PCA_SCOPES)
+    rope_frame: int = option(1, "positions per RoPE frame of the middle's keys: a key is coded with RoPE undone to "
+                             "the first position of its frame, not to position 0 (1: undone fully, the source's "
+                             "pre-RoPE keys). A decode step on the CPU fast path then turns the queries once per "
+                             "frame and projects them on the PCA bases, and scores each token by one product with "
+                             "its coefficients, instead of rebuilding every key", low=1)
     k_levels: str = option("lloyd", "key coefficient levels: 'lloyd' (2**b Gaussian Lloyd-Max levels) or "
                            "'uniform' (symmetric ints, the source's int4)", choices=COEFF_LEVELS)
     drop_penalty: float = option(1.0, "error multiplier for dropping a component group in the DP (1: the "

@@ -101,14 +101,18 @@ class CpuAttention:
         """`fused_middle_partial`, written into ``parts`` (its query grouped, in the model's channel order: RoPE
         pairs as two halves)."""
         factors, arrays = self.key_factors(block), self.block_arrays(block)
-        cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
+        frames = cos_t = sin_t = None
+        if self.cfg.rope_frame > 1:         # each frame's queries projected once: no key rebuilt
+            frames = self.shared.frames(ctx, block.start, block.covers)
+        else:
+            cos_t, sin_t = self.shared.channel_rope(ctx, block.start, block.covers)
         rows = None if block.kept is None else block_attention.set_bit_positions(block.kept, block.span)
         k_entries, group = block.v_codebook.shape
         scaled = (factors.scaled_bases_t(block.keys) if arrays.bases is None else
                   block_attention.scaled_bases(arrays.bases, factors.factor, factors.column))
         parts.code(arrays.scopes, self.run_layout(block), scaled, factors.mean, cos_t, sin_t, arrays.hidden,
                    arrays.v_codes, int(math.log2(k_entries)), self.d // group, rows, block.v_codebook, block.v_scale,
-                   self.shared.rotation.matrix(block.v_codes.device), block.v_mean)
+                   self.shared.rotation.matrix(block.v_codes.device), block.v_mean, frames)
 
     def block_arrays(self, block: MiddleBlock) -> BlockArrays:
         """Numpy views of what the CPU fast path's kernels read of ``block`` (`BlockArrays`), made on first use

@@ -19,7 +19,8 @@ from kvshrink.methods.shard.config import ShardConfig
 
 class ShardShared:
     """State shared by the layers of one cache: quantizers, codebooks, per-layer key budgets, and a
-    per-step memo of RoPE tables (the middle's positions are the same in every layer)."""
+    per-step memo of RoPE tables (the middle's positions are the same in every layer; its keys' RoPE is that of
+    their frames, `rope_frame`)."""
 
     def __init__(self, cfg: ShardConfig, num_layers: int, head_dim: int, num_kv_heads: int):
         self.cfg = cfg
@@ -47,6 +48,25 @@ class ShardShared:
         self._rope_ctx: StepContext | None = None
         self._rope_memo: dict[tuple, object] = {}
 
+    def framed(self, positions: torch.Tensor) -> torch.Tensor:
+        """The RoPE positions the middle's keys are coded at: each position rounded down to its `rope_frame`."""
+        frame = self.cfg.rope_frame
+        return positions if frame == 1 else positions - positions % frame
+
+    def frames(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The frames of token indices ``start .. start+n-1``, memoised per step: ``(index [B, n]`` int32, each
+        token's frame counted from the row's first, ``cos, sin [B, F, d/2]`` float32, each frame's RoPE per pair)."""
+        def make():
+            device, frame = ctx.offset.device, self.cfg.rope_frame
+            first_frame = ctx.positions(torch.arange(start, start + n, device=device)) // frame   # [B, n]
+            index = first_frame - first_frame[:, :1]
+            count = int(index.max()) + 1 if n else 0
+            starts = (first_frame[:, :1] + torch.arange(count, device=device)) * frame             # [B, F]
+            angles = starts.float()[..., None] * ctx.rope_frequencies(device)                       # [B, F, d/2]
+            return index.to(torch.int32), angles.cos(), angles.sin()
+
+        return self._memo(ctx, ("frames", start, n), make)
+
     def rope(self, ctx: StepContext, start: int, n: int,
              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``start .. start+n-1``, memoised per step;
@@ -71,7 +91,7 @@ class ShardShared:
             if gpu_path(ctx.offset) and triton_available():  # one launch, not a dozen small ops
                 from kvshrink.kernels.shard_code_attention import pair_rope
 
-                return pair_rope(ctx.rope_frequencies(ctx.offset.device), ctx.offset, start, n)
+                return pair_rope(ctx.rope_frequencies(ctx.offset.device), ctx.offset, start, n, self.cfg.rope_frame)
             phases = self.phases(ctx, start, n)[:, 0]
             return phases.real.contiguous(), phases.imag.contiguous()
 
@@ -86,7 +106,7 @@ class ShardShared:
         a pair's tokens contiguous), memoised: every layer's block covering the span reads the same tables."""
         def make():   # `StepContext.rope`'s angles of one half, channel-major: no complex tensor or transpose
             device = ctx.offset.device
-            positions = ctx.positions(torch.arange(start, start + n, device=device)).float()   # [B, n]
+            positions = self.framed(ctx.positions(torch.arange(start, start + n, device=device))).float()  # [B, n]
             angles = ctx.rope_frequencies(device)[None, :, None] * positions[:, None, :]          # [B, d/2, n]
             return angles.cos(), angles.sin()
 
@@ -95,10 +115,10 @@ class ShardShared:
     def _cos_sin(self, ctx: StepContext, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope_of(ctx, torch.arange(start, start + n, device=ctx.offset.device))
 
-    @staticmethod
-    def rope_of(ctx: StepContext, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``index [n]`` (not memoised)."""
-        cos, sin = ctx.rope(ctx.positions(index))
+    def rope_of(self, ctx: StepContext, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(cos, sin)`` ``[B, n, d]`` of token indices ``index [n]`` at their frames' positions (not
+        memoised)."""
+        cos, sin = ctx.rope(self.framed(ctx.positions(index)))
         return cos.float(), sin.float()
 
     def _memo(self, ctx: StepContext, key: tuple, make):
