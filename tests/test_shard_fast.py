@@ -607,7 +607,9 @@ print({key: (before[key], n) for key, n in signatures().items() if n != before[k
 """
 
 
-@pytest.mark.parametrize("spec,options", [("shard", {"sinks": 4, "window": 16}), ("lrqk", {"top_k": 32, "window": 16})])
+@pytest.mark.parametrize("spec,options", [("shard", {"sinks": 4, "window": 16}),
+                                          ("shard", {"sinks": 4, "window": 16, "rope_frame": 16}),
+                                          ("lrqk", {"top_k": 32, "window": 16})])
 def test_decoding_compiles_no_kernel(spec, options):
     """`make_cache` warms the numba kernels decoding will run (in a fresh process: compiled kernels are the
     process's), for this model's number of PCA scopes (one per KV head: five here) and the stream's views of its

@@ -17,7 +17,11 @@
    group (the value VQ codes) and, for a decode step (`step_parts.StepParts.code`), turned into the attention
    output (one small product by the codebook, scales, rotation).
 
-Steps 1, 3 and 4 have parallel variants (token chunks, tiles, heads) that run when torch has more than one
+Keys coded at their frames' positions (Shard's ``rope_frame``) skip steps 2 and 3: each frame's query rows are
+turned back by its RoPE and projected on the bases once (`frame_projection`), and a token's scores are products of
+its coefficients with its frame's projections (no key is rebuilt).
+
+Steps 1, 3 and 4 and the projection have parallel variants (token chunks, tiles, heads) that run when torch has more than one
 thread and numba's threading layer is OpenMP or TBB (a loop starts in ~2 us; its work queue, ~150 us a call,
 would cost more than it splits: ``docs/tried.md``), on as many numba threads as torch's; the others are serial,
 on the calling thread.

@@ -48,10 +48,13 @@ def _warm_up_scopes(scopes: int) -> None:
     for _ in each_kernel_variant():
         code_attention(torch.stack(codes, 1), layout, scaled, mean, torch.ones(1, 1, 2), torch.zeros(1, 1, 2),
                        torch.zeros(1, scopes, 1, 2), 1.0, None, v_codes, 8, 1, rows=torch.arange(2))
-        parts = StepParts(torch.zeros(1, scopes, 1, 2), 1.0, 2)   # the decode step's layouts of the same kernels
+        parts = StepParts(torch.zeros(1, scopes, 1, 2), 1.0, 3)   # the decode step's layouts of the same kernels
         hidden = torch.zeros(1, scopes, 1, dtype=torch.int32)    # a row held apart (Shard's salient tokens)
         parts.code(codes, layout, scaled.transpose(1, 2), mean, torch.ones(1, 1, 2), torch.zeros(1, 1, 2), hidden, v_codes, 8, 1,
                    torch.arange(2), torch.zeros(256, 2), torch.ones(scopes, 2), torch.eye(2))
+        frames = (torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, 1, 1), torch.zeros(1, 1, 1))   # `rope_frame`
+        parts.code(codes, layout, scaled.transpose(1, 2), mean, None, None, hidden, v_codes, 8, 1, torch.arange(2),
+                   torch.zeros(256, 2), torch.ones(scopes, 2), torch.eye(2), frames=frames)
         parts.add(torch.zeros(1, scopes, 1, 2), torch.zeros(1, scopes, 1))
         parts.merged()
     scaled_bases((np.zeros((2, 1), np.int8),) * scopes, torch.ones(scopes, 1, 1), None)
