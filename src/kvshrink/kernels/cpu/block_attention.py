@@ -205,8 +205,8 @@ if numba_support.installed():
             _tile_scores(job, keys_t, mean, cos_t, sin_t, rows, q4, heads_per_scope, first, m, scores)
 
     @njit(fastmath=_FASTMATH, inline="always")
-    def _frame_token_scores(b, i, levels, index, rows, projected, bias, heads_per_scope, first, scores):
-        # pragma: no cover - compiled
+    def _frame_token_scores(b, i, levels, index, rows, projected, bias, heads_per_scope, first,
+                            scores):  # pragma: no cover - compiled
         # the scores of token first+i of row b (`_frame_scores`): one product of its coefficients with its frame's
         # projected query per head and row
         t = first + i
